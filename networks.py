@@ -1,0 +1,408 @@
+"""Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
+
+import math
+import re
+
+import numpy as np
+import torch
+from torch import nn
+
+import tools
+
+ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
+
+
+def init_(module, scale=1.0):
+    """Truncated-normal fan-average initialisation of every linear/conv weight (the paper's
+    default); scale 0 gives a zero layer, which the reward and critic heads use so that their
+    first predictions are exactly zero."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+            if scale == 0:
+                nn.init.zeros_(m.weight)
+                continue
+            fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(m.weight)
+            if isinstance(m, nn.ConvTranspose2d):
+                fan_in, fan_out = fan_out, fan_in
+            std = math.sqrt(scale / ((fan_in + fan_out) / 2)) / 0.87962566103423978
+            nn.init.trunc_normal_(m.weight, 0.0, std, -2 * std, 2 * std)
+    return module
+
+
+def dense(inp, out, act, norm):
+    """Linear -> LayerNorm -> activation, the block every MLP here is made of."""
+    layers = [nn.Linear(inp, out, bias=not norm)]
+    if norm:
+        layers.append(nn.LayerNorm(out, eps=1e-3))
+    layers.append(ACTIVATIONS[act]())
+    return layers
+
+
+class MLP(nn.Module):
+    """Stack of `layers` dense blocks; optionally applies symlog to its inputs."""
+
+    def __init__(self, inp, layers, units, act="SiLU", norm=True, symlog_inputs=False):
+        super().__init__()
+        blocks = []
+        for i in range(layers):
+            blocks += dense(inp if i == 0 else units, units, act, norm)
+        self.net = init_(nn.Sequential(*blocks))
+        self.symlog_inputs = symlog_inputs
+        self.outdim = units if layers else inp
+
+    def forward(self, x):
+        if self.symlog_inputs:
+            x = tools.symlog(x)
+        return self.net(x)
+
+
+class Head(nn.Module):
+    """MLP followed by an output layer that parameterises a distribution.
+
+    dist: 'symlog_disc' (255-bin two-hot), 'symlog_mse', 'mse' or 'binary'.
+    """
+
+    DISTS = ("symlog_disc", "symlog_mse", "mse", "binary")
+
+    def __init__(self, inp, shape, layers, units, act, norm, dist, outscale=1.0, bins=255):
+        super().__init__()
+        if dist not in self.DISTS:
+            raise ValueError(f"Unknown head dist '{dist}'; valid: {', '.join(self.DISTS)}")
+        self.shape = tuple(shape)
+        self.dist = dist
+        self.mlp = MLP(inp, layers, units, act, norm)
+        out = bins if dist == "symlog_disc" else int(np.prod(self.shape))
+        self.out = init_(nn.Linear(self.mlp.outdim, out), outscale)
+
+    def forward(self, x):
+        x = self.out(self.mlp(x))
+        if self.dist == "symlog_disc":
+            return tools.TwoHot(x)
+        x = x.reshape(*x.shape[:-1], *self.shape)
+        if self.dist == "binary":
+            return tools.Bernoulli(x)
+        cls = tools.SymlogMSE if self.dist == "symlog_mse" else tools.MSE
+        return cls(x, dims=len(self.shape))
+
+
+class Actor(nn.Module):
+    """Policy head. 'normal': tanh mean and std bounded in [min_std, max_std] (learned) or a fixed
+    std; 'onehot': categorical with `unimix` uniform mixture and straight-through samples."""
+
+    def __init__(self, inp, actions, config, act, norm):
+        super().__init__()
+        self.dist = config.dist
+        if self.dist not in ("normal", "onehot"):
+            raise ValueError(f"Unknown actor dist '{self.dist}'; valid: normal, onehot")
+        self.mlp = MLP(inp, config.layers, config.units, act, norm)
+        learned = self.dist == "normal" and config.std == "learned"
+        self.out = init_(nn.Linear(self.mlp.outdim, actions * (2 if learned else 1)), config.outscale)
+        self.learned_std = learned
+        self.std, self.min_std, self.max_std = config.std, config.min_std, config.max_std
+        self.unimix = config.unimix_ratio
+
+    def forward(self, feat):
+        x = self.out(self.mlp(feat))
+        if self.dist == "onehot":
+            return tools.OneHot(x, self.unimix)
+        if self.learned_std:
+            mean, std = x.chunk(2, -1)
+            std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
+        else:
+            mean, std = x, torch.full_like(x, float(self.std))
+        return tools.Normal(torch.tanh(mean), std)
+
+
+class ChannelNorm(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def conv_stages(size, minres):
+    stages = int(np.log2(size) - np.log2(minres))
+    if 2 ** stages * minres != size:
+        raise ValueError(f"Image size {size} must be minres ({minres}) times a power of two")
+    return stages
+
+
+class ConvEncoder(nn.Module):
+    """Strided convolutions halving the resolution down to `minres`, depth doubling each stage."""
+
+    def __init__(self, shape, depth, kernel_size, minres, act, norm):
+        super().__init__()
+        height, width, channels = shape
+        layers, inp = [], channels
+        for i in range(conv_stages(height, minres)):
+            out = depth * 2 ** i
+            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=kernel_size // 2 - 1, bias=not norm))
+            if norm:
+                layers.append(ChannelNorm(out, eps=1e-3))
+            layers.append(ACTIVATIONS[act]())
+            inp = out
+        self.net = init_(nn.Sequential(*layers))
+        self.outdim = inp * minres * (width // (height // minres))
+
+    def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
+        x = image.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+        return self.net(x).flatten(1)
+
+
+class ConvDecoder(nn.Module):
+    """Mirror of ConvEncoder: a linear layer to (depth_max, minres, minres), then transposed convs."""
+
+    def __init__(self, inp, shape, depth, kernel_size, minres, act, norm, outscale, sigmoid):
+        super().__init__()
+        height, width, channels = shape
+        stages = conv_stages(height, minres)
+        self.minres, self.shape, self.sigmoid = minres, tuple(shape), sigmoid
+        self.start = depth * 2 ** (stages - 1)
+        self.linear = init_(nn.Linear(inp, minres * minres * self.start))
+        layers, ch = [], self.start
+        for i in range(stages):
+            last = i == stages - 1
+            out = channels if last else ch // 2
+            conv = nn.ConvTranspose2d(ch, out, kernel_size, 2, padding=kernel_size // 2 - 1, bias=last or not norm)
+            layers.append(init_(conv, outscale if last else 1.0))
+            if not last:
+                if norm:
+                    layers.append(ChannelNorm(out, eps=1e-3))
+                layers.append(ACTIVATIONS[act]())
+            ch = out
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, feat):  # (..., inp) -> (..., H, W, C)
+        lead = feat.shape[:-1]
+        x = self.linear(feat.reshape(-1, feat.shape[-1]))
+        x = x.reshape(-1, self.start, self.minres, self.minres).contiguous(memory_format=torch.channels_last)
+        x = self.net(x).permute(0, 2, 3, 1)
+        x = torch.sigmoid(x) if self.sigmoid else x + 0.5
+        return x.reshape(*lead, *self.shape)
+
+
+def select_keys(obs_space, cnn_pattern, mlp_pattern):
+    """Image keys (rank 3) matching cnn_pattern and vector keys (rank <= 1) matching mlp_pattern."""
+    skip = ("is_first", "is_last", "is_terminal", "reward")
+    shapes = {k: v.shape for k, v in obs_space.items() if k not in skip and not k.startswith("log_")}
+    cnn = {k: s for k, s in shapes.items() if len(s) == 3 and re.match(cnn_pattern, k)}
+    mlp = {k: s for k, s in shapes.items() if len(s) in (0, 1) and re.match(mlp_pattern, k)}
+    return cnn, mlp
+
+
+class MultiEncoder(nn.Module):
+    """Encodes image keys with one CNN (channels concatenated) and vector keys with one MLP."""
+
+    def __init__(self, obs_space, config):
+        super().__init__()
+        self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
+        if not self.cnn_shapes and not self.mlp_shapes:
+            keys = ", ".join(k for k in obs_space if k not in ("is_first", "is_last", "is_terminal"))
+            raise ValueError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
+                             f"match no observation; available keys: {keys}")
+        self.outdim = 0
+        if self.cnn_shapes:
+            height, width = next(iter(self.cnn_shapes.values()))[:2]
+            channels = sum(s[-1] for s in self.cnn_shapes.values())
+            self.cnn = ConvEncoder((height, width, channels), config.cnn_depth, config.kernel_size,
+                                   config.minres, config.act, config.norm)
+            self.outdim += self.cnn.outdim
+        if self.mlp_shapes:
+            size = sum(int(np.prod(s)) for s in self.mlp_shapes.values())
+            self.mlp = MLP(size, config.mlp_layers, config.mlp_units, config.act, config.norm, config.symlog_inputs)
+            self.outdim += self.mlp.outdim
+
+    def forward(self, obs):  # obs: dict of (B, ...) -> (B, outdim)
+        outs = []
+        if self.cnn_shapes:
+            outs.append(self.cnn(torch.cat([obs[k] for k in self.cnn_shapes], -1)))
+        if self.mlp_shapes:
+            lead = next(iter(obs.values())).shape[:1]
+            outs.append(self.mlp(torch.cat([obs[k].reshape(*lead, -1) for k in self.mlp_shapes], -1)))
+        return torch.cat(outs, -1)
+
+
+class MultiDecoder(nn.Module):
+    """Reconstructs the observation keys matching its own cnn_keys / mlp_keys from the latent
+    feature; returns one distribution per key."""
+
+    def __init__(self, feat_size, obs_space, config):
+        super().__init__()
+        self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
+        if config.image_dist != "mse":
+            raise ValueError(f"Unknown decoder.image_dist '{config.image_dist}'; valid: mse")
+        if config.vector_dist not in ("symlog_mse", "mse"):
+            raise ValueError(f"Unknown decoder.vector_dist '{config.vector_dist}'; valid: symlog_mse, mse")
+        if self.cnn_shapes:
+            height, width = next(iter(self.cnn_shapes.values()))[:2]
+            channels = sum(s[-1] for s in self.cnn_shapes.values())
+            self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
+                                   config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
+        self.mlp = nn.ModuleDict({
+            k: Head(feat_size, s, config.mlp_layers, config.mlp_units, config.act, config.norm,
+                    config.vector_dist, config.outscale)
+            for k, s in self.mlp_shapes.items()})
+
+    def forward(self, feat):  # (B, T, F) -> {key: dist over (B, T, ...)}
+        dists = {}
+        if self.cnn_shapes:
+            image = self.cnn(feat)
+            splits = [s[-1] for s in self.cnn_shapes.values()]
+            for key, part in zip(self.cnn_shapes, image.split(splits, -1)):
+                dists[key] = tools.MSE(part, dims=3)
+        for key, head in self.mlp.items():
+            dists[key] = head(feat)
+        return dists
+
+
+class GRUCell(nn.Module):
+    """GRU with LayerNorm on the gates and the update gate biased towards keeping the state."""
+
+    def __init__(self, inp, size, norm=True):
+        super().__init__()
+        self.linear = nn.Linear(inp + size, 3 * size, bias=not norm)
+        self.norm = nn.LayerNorm(3 * size, eps=1e-3) if norm else nn.Identity()
+        init_(self)
+
+    def forward(self, x, h):
+        parts = self.norm(self.linear(torch.cat([x, h], -1)))
+        reset, cand, update = parts.chunk(3, -1)
+        reset = torch.sigmoid(reset)
+        cand = torch.tanh(reset * cand)
+        update = torch.sigmoid(update - 1)
+        return update * cand + (1 - update) * h
+
+
+class RSSM(nn.Module):
+    """Recurrent state-space model: deterministic GRU state `deter` and stochastic state `stoch`.
+
+    With discrete > 0 the stochastic state is `stoch` categoricals of `discrete` classes each
+    (unimix, straight-through samples); with discrete == 0 it is a diagonal Gaussian of size stoch.
+    A state is a dict of tensors: deter (B, deter), stoch (B, stoch[, discrete]) and the
+    distribution parameters (logit, or mean and std).
+    """
+
+    def __init__(self, config, embed_size, action_size):
+        super().__init__()
+        self.stoch, self.discrete, self.deter = config.dyn_stoch, config.dyn_discrete, config.dyn_deter
+        self.unimix, self.rec_depth = config.unimix_ratio, config.dyn_rec_depth
+        self.mean_act, self.std_act, self.min_std = config.dyn_mean_act, config.dyn_std_act, config.dyn_min_std
+        if config.initial not in ("learned", "zeros"):
+            raise ValueError(f"Unknown initial '{config.initial}'; valid: learned, zeros")
+        self.initial_mode = config.initial
+        stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
+        hidden, act, norm = config.dyn_hidden, config.act, config.norm
+        self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
+        self.cell = GRUCell(hidden, self.deter, norm)
+        self.img_out = init_(nn.Sequential(*dense(self.deter, hidden, act, norm)))
+        self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
+        stats = self.stoch * self.discrete if self.discrete else 2 * self.stoch
+        self.img_stats = init_(nn.Linear(hidden, stats))
+        self.obs_stats = init_(nn.Linear(hidden, stats))
+        if self.initial_mode == "learned":
+            self.initial_deter = nn.Parameter(torch.zeros(self.deter))
+        self.feat_size = stoch_flat + self.deter
+
+    # -- state helpers -----------------------------------------------------------------------------
+
+    def _stats(self, x):
+        if self.discrete:
+            logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
+            return {"logit": tools.unimix_logits(logit, self.unimix)}
+        mean, std = x.chunk(2, -1)
+        if self.mean_act == "tanh5":
+            mean = 5.0 * torch.tanh(mean / 5.0)
+        std = {"softplus": nn.functional.softplus, "abs": lambda s: s.abs() + 1.0,
+               "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}[self.std_act](std)
+        return {"mean": mean, "std": std + self.min_std}
+
+    def dist(self, stats):
+        if self.discrete:
+            return tools.OneHot(stats["logit"])
+        return tools.Normal(stats["mean"], stats["std"])
+
+    def initial(self, batch):
+        """The state before the first observation: learned (tanh of a parameter) or zeros."""
+        device = self.img_stats.weight.device
+        if self.initial_mode == "zeros":
+            deter = torch.zeros(batch, self.deter, device=device)
+        else:
+            deter = torch.tanh(self.initial_deter).expand(batch, self.deter)
+        stats = self._stats(self.img_stats(self.img_out(deter)))
+        return {"deter": deter, "stoch": self.dist(stats).mode(), **stats}
+
+    def get_feat(self, state):  # -> (..., stoch*discrete + deter)
+        stoch = state["stoch"]
+        if self.discrete:
+            stoch = stoch.reshape(*stoch.shape[:-2], self.stoch * self.discrete)
+        return torch.cat([stoch, state["deter"]], -1)
+
+    # -- transitions ------------------------------------------------------------------------------
+
+    def img_step(self, state, action, sample=True):
+        """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1})."""
+        stoch = state["stoch"]
+        if self.discrete:
+            stoch = stoch.reshape(*stoch.shape[:-2], self.stoch * self.discrete)
+        x = self.img_in(torch.cat([stoch, action], -1))
+        deter = state["deter"]
+        for _ in range(self.rec_depth):
+            deter = self.cell(x, deter)
+        stats = self._stats(self.img_stats(self.img_out(deter)))
+        dist = self.dist(stats)
+        return {"deter": deter, "stoch": dist.sample() if sample else dist.mode(), **stats}
+
+    def obs_step(self, state, action, embed, is_first, sample=True):
+        """Posterior q(z_t | h_t, x_t) and prior; resets state and action where is_first."""
+        keep = (1.0 - is_first.float())[:, None]
+        init = self.initial(len(is_first))
+        state = {k: v * keep.reshape(-1, *[1] * (v.dim() - 1)) + init[k] * (1 - keep).reshape(-1, *[1] * (v.dim() - 1))
+                 for k, v in state.items()}
+        action = action * keep
+        prior = self.img_step(state, action, sample)
+        stats = self._stats(self.obs_stats(self.obs_out(torch.cat([prior["deter"], embed], -1))))
+        dist = self.dist(stats)
+        post = {"deter": prior["deter"], "stoch": dist.sample() if sample else dist.mode(), **stats}
+        return post, prior
+
+    def observe(self, embed, action, is_first, state=None):
+        """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
+        as dicts of (B, T, ...)."""
+        if state is None:
+            state = self.initial(embed.shape[0])
+        posts, priors = [], []
+        for t in range(embed.shape[1]):
+            state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t])
+            posts.append(state)
+            priors.append(prior)
+        stack = lambda seq: {k: torch.stack([s[k] for s in seq], 1) for k in seq[0]}  # noqa: E731
+        return stack(posts), stack(priors)
+
+    def imagine_with_action(self, action, state):
+        """Open-loop prediction: action (B, T, A) from state (B, ...) -> priors (B, T, ...)."""
+        priors = []
+        for t in range(action.shape[1]):
+            state = self.img_step(state, action[:, t])
+            priors.append(state)
+        return {k: torch.stack([s[k] for s in priors], 1) for k in priors[0]}
+
+    # -- loss ---------------------------------------------------------------------------------
+
+    def kl_loss(self, post, prior, free, dyn_scale, rep_scale):
+        """KL balancing with free nats (Eq. 5 of the paper), per step (B, T):
+
+        dyn = max(free, KL[sg(post) || prior]),  rep = max(free, KL[post || sg(prior)]).
+        """
+        sg = lambda s: {k: v.detach() for k, v in s.items()}  # noqa: E731
+        raw_dyn = self.kl(sg(post), prior)
+        raw_rep = self.kl(post, sg(prior))
+        dyn = torch.clamp(raw_dyn, min=free)
+        rep = torch.clamp(raw_rep, min=free)
+        return dyn_scale * dyn + rep_scale * rep, raw_dyn, raw_rep
+
+    def kl(self, lhs, rhs):
+        if self.discrete:
+            return tools.kl_categorical(lhs["logit"], rhs["logit"])
+        return tools.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])

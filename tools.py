@@ -1,0 +1,442 @@
+"""Shared building blocks, in four sections (in this order):
+
+1. Distributions: symlog/symexp, two-hot, one-hot with unimix, bounded normal, MSE heads.
+2. Replay: episode files written atomically as .npz, and the sequence replay buffer.
+3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files.
+4. Schedules: the counters that decide when to train, log and evaluate.
+
+Nothing here knows about the world model or the environments.
+"""
+
+import collections
+import datetime
+import io
+import json
+import os
+import pathlib
+import uuid
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ==================================================================================================
+# 1. Distributions
+# ==================================================================================================
+
+
+def symlog(x):
+    return torch.sign(x) * torch.log1p(x.abs())
+
+
+def symexp(x):
+    return torch.sign(x) * torch.expm1(x.abs())
+
+
+class TwoHot:
+    """Categorical over `bins` equally spaced in symlog space (Eq. 9-10 of the paper).
+
+    The prediction is symexp(E[bin]); the loss is cross-entropy against the two-hot encoding of
+    symlog(target), which spreads the target over the two nearest bins by linear interpolation.
+    """
+
+    def __init__(self, logits, low=-20.0, high=20.0):
+        self.logits = logits  # (..., bins)
+        self.log_probs = torch.log_softmax(logits, -1)
+        self.bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+
+    def mean(self):  # (...)
+        probs = self.log_probs.exp()
+        return symexp((probs * self.bins).sum(-1))
+
+    mode = mean
+
+    def log_prob(self, value):  # value: (...) -> (...)
+        target = twohot_encode(symlog(value.float()), self.bins)
+        return (target * self.log_probs).sum(-1)
+
+
+def twohot_encode(x, bins):
+    """Two-hot target (..., bins) for values x (...) already in bin space."""
+    num = len(bins)
+    below = ((bins <= x[..., None]).sum(-1) - 1).clamp(0, num - 1)
+    above = (num - (bins > x[..., None]).sum(-1)).clamp(0, num - 1)
+    equal = below == above
+    dist_below = torch.where(equal, 1.0, (bins[below] - x).abs())
+    dist_above = torch.where(equal, 1.0, (bins[above] - x).abs())
+    total = dist_below + dist_above
+    return (F.one_hot(below, num) * (dist_above / total)[..., None]
+            + F.one_hot(above, num) * (dist_below / total)[..., None])
+
+
+class SymlogMSE:
+    """Regression in symlog space: the network predicts symlog(x)."""
+
+    def __init__(self, pred, dims=1):
+        self.pred = pred
+        self.dims = tuple(range(-dims, 0))
+
+    def mode(self):
+        return symexp(self.pred)
+
+    mean = mode
+
+    def log_prob(self, value):
+        return -((self.pred - symlog(value)) ** 2).sum(self.dims)
+
+
+class MSE:
+    """Plain squared error, summed over the event dims (used for images in [0, 1])."""
+
+    def __init__(self, pred, dims=1):
+        self.pred = pred
+        self.dims = tuple(range(-dims, 0))
+
+    def mode(self):
+        return self.pred
+
+    mean = mode
+
+    def log_prob(self, value):
+        return -((self.pred - value) ** 2).sum(self.dims)
+
+
+class Bernoulli:
+    """Continue flag: one logit per step, event shape (1,)."""
+
+    def __init__(self, logits):
+        self.logits = logits  # (..., 1)
+
+    def mode(self):
+        return (self.logits > 0).float()
+
+    def mean(self):
+        return torch.sigmoid(self.logits)
+
+    def log_prob(self, value):
+        return -F.binary_cross_entropy_with_logits(self.logits, value, reduction="none").sum(-1)
+
+
+def unimix_logits(logits, unimix):
+    """Mix `unimix` of the uniform distribution into a softmax and return its logits."""
+    if unimix <= 0:
+        return logits
+    probs = torch.softmax(logits, -1)
+    probs = (1 - unimix) * probs + unimix / logits.shape[-1]
+    return torch.log(probs)
+
+
+class OneHot:
+    """Categorical over the last dim with one-hot samples and straight-through gradients."""
+
+    def __init__(self, logits, unimix=0.0):
+        self.logits = unimix_logits(logits, unimix)  # (..., classes)
+        self.log_probs = torch.log_softmax(self.logits, -1)
+        self.probs = self.log_probs.exp()
+
+    def mode(self):
+        index = self.logits.argmax(-1)
+        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        return onehot + self.probs - self.probs.detach()
+
+    def sample(self):
+        index = torch.multinomial(self.probs.reshape(-1, self.probs.shape[-1]).float(), 1)
+        index = index.reshape(self.probs.shape[:-1])
+        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        return onehot + self.probs - self.probs.detach()
+
+    def log_prob(self, onehot):
+        return (onehot * self.log_probs).sum(-1)
+
+    def entropy(self):
+        return -(self.probs * self.log_probs).sum(-1)
+
+
+class Normal:
+    """Diagonal Gaussian over the last dim (continuous actions, continuous latents)."""
+
+    def __init__(self, mean, std):
+        self.dist = torch.distributions.Normal(mean, std)
+        self.mean_ = mean
+
+    def mode(self):
+        return self.mean_
+
+    def sample(self):
+        return self.dist.rsample()
+
+    def log_prob(self, value):
+        return self.dist.log_prob(value).sum(-1)
+
+    def entropy(self):
+        return self.dist.entropy().sum(-1)
+
+
+def kl_categorical(lhs_logits, rhs_logits):
+    """KL[lhs || rhs] for independent categoricals (..., stoch, classes) -> (...)."""
+    lhs_log = torch.log_softmax(lhs_logits, -1)
+    rhs_log = torch.log_softmax(rhs_logits, -1)
+    return (lhs_log.exp() * (lhs_log - rhs_log)).sum(-1).sum(-1)
+
+
+def kl_normal(lhs_mean, lhs_std, rhs_mean, rhs_std):
+    """KL[lhs || rhs] for diagonal Gaussians (..., stoch) -> (...)."""
+    var_ratio = (lhs_std / rhs_std) ** 2
+    term = ((lhs_mean - rhs_mean) / rhs_std) ** 2
+    return 0.5 * (var_ratio + term - 1 - torch.log(var_ratio)).sum(-1)
+
+
+# ==================================================================================================
+# 2. Replay
+# ==================================================================================================
+
+
+def save_episode(directory, episode):
+    """Write one episode (dict of arrays, time first) as compressed .npz, atomically.
+
+    The file name carries time stamp, a unique id and the length, so that the newest episodes can
+    be found from names alone and a crash never leaves a half-written episode behind.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    length = len(episode["reward"])
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")
+    filename = directory / f"{stamp}-{uuid.uuid4().hex[:8]}-{length}.npz"
+    with io.BytesIO() as buffer:
+        np.savez_compressed(buffer, **episode)
+        atomic_write_bytes(filename, buffer.getvalue())
+    return filename
+
+
+def load_episodes(directory, limit=None):
+    """Load the newest episodes whose lengths sum to at most `limit` steps, oldest first.
+
+    A corrupt or unreadable file is skipped with a warning rather than ending the run.
+    """
+    directory = pathlib.Path(directory)
+    if not directory.exists():
+        return []
+    files = sorted(directory.glob("*.npz"), reverse=True)
+    episodes, total = [], 0
+    for filename in files:
+        try:
+            with filename.open("rb") as f:
+                data = np.load(f)
+                episode = {k: data[k] for k in data.keys()}
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
+            warnings.warn(f"Skipping unreadable episode {filename}: {e}", stacklevel=2)
+            continue
+        length = len(episode["reward"])
+        if limit is not None and total + length > limit:
+            break
+        total += length
+        episodes.append(episode)
+    return episodes[::-1]
+
+
+class Stream:
+    """Ring buffer of consecutive steps from one environment, as growable numpy arrays."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.data = {}
+        self.count = 0  # steps ever written
+
+    def __len__(self):
+        return min(self.count, self.capacity)
+
+    def add(self, step):
+        if not self.data:
+            size = min(self.capacity, 1024)
+            self.data = {k: np.empty((size, *np.shape(v)), np.asarray(v).dtype) for k, v in step.items()}
+        size = len(next(iter(self.data.values())))
+        if self.count == size and size < self.capacity:
+            new = min(self.capacity, 2 * size)
+            for key, array in self.data.items():
+                grown = np.empty((new, *array.shape[1:]), array.dtype)
+                grown[:size] = array
+                self.data[key] = grown
+        index = self.count % self.capacity
+        for key, value in step.items():
+            self.data[key][index] = value
+        self.count += 1
+
+    def indices(self, starts, length):
+        """Physical indices (len(starts), length) of logical positions (0 = oldest step)."""
+        offset = self.count % self.capacity if self.count > self.capacity else 0
+        return (offset + starts[:, None] + np.arange(length)[None]) % self.capacity
+
+
+class Replay:
+    """Uniform sequence replay over one stream of consecutive steps per environment.
+
+    Sequences may cross episode boundaries inside a stream; `is_first` marks where the world
+    model must reset its latent state, as in the official implementation. The oldest steps are
+    dropped once `capacity` steps are held in total.
+    """
+
+    def __init__(self, capacity, streams, seed=0):
+        per_stream = max(1, int(np.ceil(capacity / streams)))
+        self.streams = [Stream(per_stream) for _ in range(streams)]
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self):
+        return sum(len(s) for s in self.streams)
+
+    def add(self, step, stream=0):
+        self.streams[stream].add(step)
+
+    def add_episode(self, episode, stream=0):
+        length = len(episode["reward"])
+        for t in range(length):
+            self.streams[stream].add({k: v[t] for k, v in episode.items()})
+
+    def ready(self, length):
+        return any(len(s) >= length for s in self.streams)
+
+    def sample(self, batch, length):
+        """A batch of sequences: dict of arrays (batch, length, ...)."""
+        starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
+        if starts.sum() == 0:
+            raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
+        which = self.rng.choice(len(self.streams), size=batch, p=starts / starts.sum())
+        out = {}
+        for index in np.unique(which):
+            stream = self.streams[index]
+            rows = np.nonzero(which == index)[0]
+            start = self.rng.integers(0, starts[index], size=len(rows))
+            phys = stream.indices(start, length)
+            for key, array in stream.data.items():
+                if key not in out:
+                    out[key] = np.empty((batch, length, *array.shape[1:]), array.dtype)
+                out[key][rows] = array[phys]
+        return out
+
+
+# ==================================================================================================
+# 3. Logging and checkpoint files
+# ==================================================================================================
+
+
+def atomic_write_bytes(path, data):
+    """Write `data` to `path` through a temporary file and a rename, so readers never see half."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path, state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_checkpoint(path, device="cpu"):
+    return torch.load(path, map_location=device, weights_only=False)
+
+
+class Logger:
+    """Scalars and videos to TensorBoard and scalars to `metrics.jsonl`, written at `write()`.
+
+    Scalars may be tensors; they are converted to floats only when written, so the training step
+    never waits on the device for logging.
+    """
+
+    def __init__(self, logdir, step=0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir = pathlib.Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        # A resumed run continues its curves: events written after the checkpoint are dropped.
+        self.writer = SummaryWriter(str(self.logdir), purge_step=step if step else None, max_queue=1000)
+        self.jsonl = self.logdir / "metrics.jsonl"
+        if step:
+            self._truncate_jsonl(step)
+        self.scalars = collections.defaultdict(list)
+        self.videos = {}
+
+    def _truncate_jsonl(self, step):
+        if not self.jsonl.exists():
+            return
+        keep = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        atomic_write_bytes(self.jsonl, "".join(line + "\n" for line in keep).encode())
+
+    def scalar(self, name, value):
+        self.scalars[name].append(value)
+
+    def video(self, name, value):
+        self.videos[name] = value
+
+    def write(self, step):
+        values = {}
+        for name, items in self.scalars.items():
+            values[name] = float(torch.as_tensor([float(v) for v in items], dtype=torch.float64).mean())
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        for name, video in self.videos.items():
+            self._write_video(name, video, step)
+        if values:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        self.writer.flush()
+        self.scalars.clear()
+        self.videos.clear()
+        return values
+
+    def _write_video(self, name, video, step):
+        """video: (B, T, H, W, C) uint8 or float in [0, 1]; batch entries are laid side by side."""
+        video = np.asarray(video)
+        if np.issubdtype(video.dtype, np.floating):
+            video = np.clip(255 * video, 0, 255).astype(np.uint8)
+        batch, time, height, width, channels = video.shape
+        frames = video.transpose(1, 2, 0, 3, 4).reshape(1, time, height, batch * width, channels)
+        try:
+            self.writer.add_video(name, frames.transpose(0, 1, 4, 2, 3), step, fps=16)
+        except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+            warnings.warn(f"Could not write video {name}: {e}", stacklevel=2)
+
+    def close(self):
+        self.writer.close()
+
+
+# ==================================================================================================
+# 4. Schedules
+# ==================================================================================================
+
+
+class Every:
+    """True once each time `step` passes a multiple of `every` (never when every <= 0)."""
+
+    def __init__(self, every, last=None):
+        self.every = every
+        self.last = last
+
+    def __call__(self, step):
+        if not self.every or self.every <= 0:
+            return False
+        if self.last is None:
+            self.last = step
+            return True
+        if step >= self.last + self.every:
+            self.last += self.every * ((step - self.last) // self.every)
+            return True
+        return False
+
+
+class Ratio:
+    """Number of updates owed so that updates * replayed_per_update / steps == ratio."""
+
+    def __init__(self, ratio, replayed_per_update):
+        self.steps_per_update = replayed_per_update / ratio
+        self.updates = 0
+
+    def __call__(self, steps):
+        due = int(steps / self.steps_per_update) - self.updates
+        due = max(0, due)
+        self.updates += due
+        return due
