@@ -8,8 +8,12 @@ evaluation, then `main`, the training loop itself. Rerunning the same command re
 
 import argparse
 import copy
+import datetime
 import difflib
 import functools
+import io
+import json
+import os
 import pathlib
 import random
 import sys
@@ -353,34 +357,6 @@ def episode_stats(episode):
     return {"return": float(episode["reward"].sum()), "length": len(episode["reward"]) - 1}
 
 
-def evaluate(agent, eval_envs, config, logger, directory, eval_replay):
-    """Run `eval_episode_num` episodes with the task policy's mode; log returns and a video."""
-    finished = []
-
-    def on_episode(episode):
-        if len(finished) < config.eval_episode_num:
-            finished.append(episode)
-            if eval_replay is not None:
-                eval_replay.add_episode({k: v for k, v in episode.items() if not k.startswith("log_")},
-                                        len(finished) % len(eval_replay.streams))
-
-    collector = Collector(eval_envs, None, directory, on_episode)
-    policy = functools.partial(agent.policy, mode="eval")
-    while len(finished) < config.eval_episode_num:
-        collector.step(policy)
-    stats = [episode_stats(e) for e in finished]
-    returns = [s["return"] for s in stats]
-    logger.scalar("eval/return", float(np.mean(returns)))
-    logger.scalar("eval/return_std", float(np.std(returns)))
-    logger.scalar("eval/length", float(np.mean([s["length"] for s in stats])))
-    logger.scalar("eval/episodes", len(finished))
-    for key, value in envs.episode_metrics(config.task, finished).items():
-        logger.scalar(f"eval/{key}", value)
-    if config.video_pred_log and "image" in finished[0]:
-        logger.video("eval/policy", finished[0]["image"][None])
-    return returns
-
-
 # ==================================================================================================
 # Training loop
 # ==================================================================================================
@@ -392,13 +368,15 @@ def fail(message):
 
 
 def resolve_device(config):
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"CUDA is not available; using the CPU instead of {config.device}.")
-        config.device = "cpu"
+    """Fall back to the CPU where CUDA is absent; returns the reason, for the start-up summary."""
     try:
-        torch.device(config.device)
+        device = torch.device(config.device)
     except RuntimeError:
-        fail(f"Invalid value '{config.device}' for --device; valid: cpu, cuda, cuda:<index>")
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: cpu, cuda, cuda:<index>") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        config.device = "cpu"
+        return "CUDA is not available"
+    return None
 
 
 def seed_everything(seed, deterministic):
@@ -425,6 +403,53 @@ def check_spaces(config, act_space):
         raise ConfigError(f"Task '{config.task}' has continuous actions; use --actor.dist normal")
 
 
+# Keys that may differ between a run and its resumption without a warning.
+BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
+               "parallel", "env_failure", "compile", "video_pred_log")
+
+
+def compare_saved_config(config, path):
+    """Warnings for keys that differ from the run's saved config; a different task is an error."""
+    from ruamel.yaml import YAML
+
+    saved = flatten(YAML(typ="safe", pure=True).load(path.read_text()))
+    current = flatten(config.to_dict())
+    if saved.get("task") != current["task"]:
+        raise ConfigError(f"--task {current['task']} differs from this run's task '{saved.get('task')}' "
+                          f"(saved in {path}); use another --logdir for another task")
+    return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
+            if key not in BUDGET_KEYS and saved.get(key) != value]
+
+
+def save_config(config, path):
+    from ruamel.yaml import YAML
+
+    buffer = io.StringIO()
+    YAML(typ="safe", pure=True).dump(config.to_dict(), buffer)
+    tools.atomic_write_bytes(path, buffer.getvalue().encode())
+
+
+def summary(config, agent, device_note, resumed_step):
+    """The start-up summary: what runs where, what differs from defaults, how big the model is."""
+    defaults = flatten(load_presets()["defaults"])
+    changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v}
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    params = {"world model": count(agent.wm), "actor": count(agent.task_behavior.actor),
+              "critic": count(agent.task_behavior.critic)}
+    if agent.expl_behavior is not None:
+        params["exploration"] = count(agent.expl_behavior)
+    lines = [
+        f"Task: {config.task}",
+        f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
+        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})",
+        f"Logdir: {config.logdir}",
+        "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
+        "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
+        "Changed from defaults: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "none"),
+    ]
+    return "\n".join(lines)
+
+
 class Counters:
     """Progress of a run; everything here is saved in the checkpoint."""
 
@@ -433,195 +458,316 @@ class Counters:
         self.updates = 0
         self.episodes = 0
 
-    def frames(self, action_repeat):
-        return self.policy_steps * action_repeat
+
+class Progress:
+    """One updating line (tqdm) in a terminal; a plain line at every log when stdout is a file."""
+
+    def __init__(self, total, initial, interactive=None):
+        from tqdm import tqdm
+
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.total = total
+        self.bar = tqdm(total=total, initial=initial, unit="frame", dynamic_ncols=True, disable=not self.interactive)
+        self.stats = {}
+
+    def update(self, frames, **stats):
+        self.stats.update({k: v for k, v in stats.items() if v is not None})
+        if self.interactive:
+            self.bar.update(frames - self.bar.n)
+            self.bar.set_postfix({k: f"{v:.1f}" for k, v in self.stats.items()}, refresh=False)
+
+    def line(self, frames):
+        """The plain progress line: frames, rates, last returns and ETA."""
+        fps = self.stats.get("fps", 0.0)
+        eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
+        parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
+        parts += [f"{k} {v:.1f}" for k, v in self.stats.items()]
+        return " | ".join(parts + [f"ETA {eta}"])
+
+    def log(self, frames):
+        if not self.interactive:
+            print(self.line(frames), flush=True)
+
+    def close(self):
+        self.bar.close()
 
 
-def checkpoint_state(agent, counters, schedules, replay):
-    return {
-        "agent": agent.state_dict(),
-        "optimizers": agent.optimizer_state(),
-        "counters": vars(counters),
-        "schedules": {name: s.last if isinstance(s, tools.Every) else s.updates for name, s in schedules.items()},
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "replay": replay.rng.bit_generator.state if replay is not None else None},
-    }
+class Trainer:
+    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop."""
 
+    def __init__(self, config, agent, logdir, train_envs, eval_envs):
+        self.config, self.agent, self.logdir = config, agent, logdir
+        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps")
+        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps")
+        self.train_envs, self.eval_envs = train_envs, eval_envs
+        self.checkpoint = logdir / "latest.pt"
+        self.counters = Counters()
+        self.schedules = {"train": tools.Ratio(config.train_ratio, config.batch_size * config.batch_length),
+                          "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+        self.replay, loaded_steps = self.load_replay()
+        self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
+        for episode in tools.load_episodes(config.offline_evaldir or self.evaldir, 100 * config.batch_length):
+            self.eval_replay.add_episode(strip_logs(episode))
+        self.resumed = self.checkpoint.exists()
+        if self.resumed:
+            self.restore(tools.load_checkpoint(self.checkpoint, config.device))
+        elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
+            self.counters.policy_steps = loaded_steps
+        self.recent_episodes = []
+        self.collector = Collector(train_envs, self.replay, self.traindir, self.on_episode) if train_envs else None
+        self.metrics = {}
+        self.last_log = (time.time(), self.frames, self.counters.updates)
 
-def restore(state, agent, counters, schedules, replay):
-    agent.load_state_dict(state["agent"])
-    agent.load_optimizer_state(state["optimizers"])
-    vars(counters).update(state["counters"])
-    for name, value in state["schedules"].items():
-        if isinstance(schedules[name], tools.Every):
-            schedules[name].last = value
+    @property
+    def frames(self):
+        return self.counters.policy_steps * self.config.action_repeat
+
+    def load_replay(self):
+        config = self.config
+        replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
+        source = pathlib.Path(config.offline_traindir) if config.offline_traindir else self.traindir
+        loaded_steps = 0
+        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size)):
+            replay.add_episode(strip_logs(episode), i % len(replay.streams))
+            loaded_steps += len(episode["reward"]) - 1
+        return replay, loaded_steps
+
+    # -- acting and learning ------------------------------------------------------------------------
+
+    def on_episode(self, episode):
+        self.counters.episodes += 1
+        self.recent_episodes.append(episode)
+        stats = episode_stats(episode)
+        self.logger.scalar("train/return", stats["return"])
+        self.logger.scalar("train/length", stats["length"])
+        self.progress.update(self.frames, train_return=stats["return"])
+
+    def collect(self, policy):
+        if self.collector is None:  # offline: time advances as if the agent were collecting
+            self.counters.policy_steps += max(1, self.config.envs)
         else:
-            schedules[name].updates = value
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
-    if replay is not None and state["rng"]["replay"] is not None:
-        replay.rng.bit_generator.state = state["rng"]["replay"]
+            self.counters.policy_steps += self.collector.step(policy)
+
+    def policy(self, obs, state):
+        config = self.config
+        explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
+        return self.agent.policy(obs, state, "explore" if explore else "train")
+
+    def random_policy(self, obs, state):
+        behavior = exploration.Random(self.config, (self.train_envs or self.eval_envs)[0].act_space)
+        return behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
+
+    def update(self, count):
+        config = self.config
+        for _ in range(count):
+            if not self.replay.ready(config.batch_length):
+                return
+            metrics = self.agent.train_step(self.replay.sample(config.batch_size, config.batch_length))
+            self.counters.updates += 1
+            for key, value in metrics.items():
+                self.metrics.setdefault(key, []).append(value)
+
+    def train(self):
+        """Prefill, pretrain, then alternate collecting and updating until `steps` frames."""
+        config = self.config
+        self.logger = tools.Logger(self.logdir, self.frames)
+        self.logger.writer.add_text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
+        self.progress = Progress(config.steps, self.frames)
+        try:
+            if not self.resumed:
+                while self.collector is not None and self.frames < config.prefill:
+                    self.collect(self.random_policy)
+                self.update(config.pretrain)
+                self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
+            while self.frames < config.steps:
+                if self.eval_envs and self.schedules["eval"](self.frames):
+                    self.evaluate()
+                    self.save()
+                self.collect(self.policy)
+                self.update(self.schedules["train"](self.counters.policy_steps))
+                self.progress.update(self.frames)
+                if self.schedules["log"](self.frames):
+                    self.log()
+            if self.eval_envs:
+                self.evaluate()
+            self.log()
+        finally:
+            self.save()
+            self.progress.close()
+            self.logger.close()
+
+    # -- logging, evaluation, checkpoints -----------------------------------------------------------
+
+    def log(self):
+        config, counters = self.config, self.counters
+        now, frames = time.time(), self.frames
+        for key, values in self.metrics.items():
+            self.logger.scalar(metric_name(key), torch.stack(values).float().mean())
+        self.metrics.clear()
+        seconds = max(now - self.last_log[0], 1e-9)
+        fps = (frames - self.last_log[1]) / seconds
+        updates_per_s = (counters.updates - self.last_log[2]) / seconds
+        for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
+                           ("replay_steps", len(self.replay))):
+            self.logger.scalar(f"perf/{key}", value)
+        self.logger.scalar("train/episodes", counters.episodes)
+        if self.collector is not None:
+            self.logger.scalar("train/dropped_episodes", self.collector.dropped)
+        for key, value in envs.episode_metrics(config.task, self.recent_episodes).items():
+            self.logger.scalar(f"train/{key}", value)
+        self.recent_episodes.clear()
+        if self.films_predictions(self.replay):
+            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
+            self.logger.video("train/openl", self.agent.wm.video_pred(batch))
+        self.logger.write(frames)
+        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s)
+        self.progress.log(frames)
+        self.last_log = (now, frames, counters.updates)
+
+    def evaluate(self):
+        config = self.config
+        episodes = run_episodes(self.agent, self.eval_envs, config.eval_episode_num, self.evaldir)
+        for episode in episodes:
+            self.eval_replay.add_episode(strip_logs(episode))
+        returns = log_evaluation(self.logger, episodes, config)
+        if self.films_predictions(self.eval_replay):
+            batch = self.agent.wm.preprocess(self.eval_replay.sample(6, config.batch_length))
+            self.logger.video("eval/openl", self.agent.wm.video_pred(batch))
+        self.progress.update(self.frames, eval_return=float(np.mean(returns)))
+
+    def films_predictions(self, replay):
+        """Open-loop videos need an image decoder and a full sequence to show."""
+        config = self.config
+        return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
+                and replay.ready(config.batch_length))
+
+    def save(self):
+        schedules = self.schedules
+        tools.save_checkpoint(self.checkpoint, {
+            "agent": self.agent.state_dict(),
+            "optimizers": self.agent.optimizer_state(),
+            "counters": dict(vars(self.counters)),
+            "schedules": {"train": schedules["train"].updates, "log": schedules["log"].last,
+                          "eval": schedules["eval"].last},
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "replay": self.replay.rng.bit_generator.state},
+        })
+
+    def restore(self, state):
+        self.agent.load_state_dict(state["agent"])
+        self.agent.load_optimizer_state(state["optimizers"])
+        vars(self.counters).update(state["counters"])
+        self.schedules["train"].updates = state["schedules"]["train"]
+        self.schedules["log"].last = state["schedules"]["log"]
+        self.schedules["eval"].last = state["schedules"]["eval"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        self.replay.rng.bit_generator.state = state["rng"]["replay"]
+
+
+def strip_logs(episode):
+    """Replay keeps what the model trains on; `log_*` keys only feed the suite metrics."""
+    return {k: v for k, v in episode.items() if not k.startswith("log_")}
+
+
+def run_episodes(agent, env_list, count, directory):
+    """`count` episodes with the task policy's mode (episodes still running at the end are dropped)."""
+    finished = []
+    collector = Collector(env_list, None, directory, finished.append)
+    policy = functools.partial(agent.policy, mode="eval")
+    while len(finished) < count:
+        collector.step(policy)
+    return finished[:count]
+
+
+def log_evaluation(logger, episodes, config):
+    returns = [episode_stats(e)["return"] for e in episodes]
+    logger.scalar("eval/return", float(np.mean(returns)))
+    logger.scalar("eval/return_std", float(np.std(returns)))
+    logger.scalar("eval/length", float(np.mean([episode_stats(e)["length"] for e in episodes])))
+    logger.scalar("eval/episodes", len(episodes))
+    for key, value in envs.episode_metrics(config.task, episodes).items():
+        logger.scalar(f"eval/{key}", value)
+    if config.video_pred_log and "image" in episodes[0]:
+        logger.video("eval/policy", episodes[0]["image"][None])
+    return returns
+
+
+def evaluate_checkpoint(config, agent, logdir, eval_envs):
+    """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
+    state = tools.load_checkpoint(logdir / "latest.pt", config.device)
+    agent.load_state_dict(state["agent"])
+    episodes = run_episodes(agent, eval_envs, config.eval_episode_num, None)
+    returns = [episode_stats(e)["return"] for e in episodes]
+    out = logdir / "eval_only"
+    out.mkdir(exist_ok=True)
+    result = {"frame": state["counters"]["policy_steps"] * config.action_repeat, "returns": returns,
+              "mean": float(np.mean(returns)), "std": float(np.std(returns))}
+    tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
+    if "image" in episodes[0]:
+        write_mp4(out / "episode.mp4", episodes[0]["image"])
+    print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
+          f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
+    return result
+
+
+def write_mp4(path, frames, fps=30):
+    import imageio.v2 as imageio
+
+    tmp = path.with_name(f".{path.stem}.tmp.mp4")
+    imageio.mimwrite(tmp, list(frames), fps=fps, format="FFMPEG", macro_block_size=1)
+    os.replace(tmp, path)
+
+
+def setup(argv):
+    """Parse and check everything that can be wrong before any file is written."""
+    config = parse(sys.argv[1:] if argv is None else argv)
+    if not config.logdir:
+        raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
+    envs.check_task(config.task)
+    logdir = pathlib.Path(config.logdir).expanduser()
+    warnings_ = []
+    if (logdir / "config.yaml").exists():
+        warnings_ = compare_saved_config(config, logdir / "config.yaml")
+    if config.eval_only and not (logdir / "latest.pt").exists():
+        raise ConfigError(f"--eval_only needs a checkpoint, but {logdir / 'latest.pt'} does not exist")
+    return config, logdir, resolve_device(config), warnings_
 
 
 def main(argv=None):
     try:
-        config = parse(sys.argv[1:] if argv is None else argv)
-        if not config.logdir:
-            raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
-        envs.check_task(config.task)
+        config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
         fail(str(e))
-    resolve_device(config)
-    logdir = pathlib.Path(config.logdir).expanduser()
-    traindir = pathlib.Path(config.traindir or logdir / "train_eps")
-    evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps")
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
-
-    offline = bool(config.offline_traindir)
-    train_envs = [] if offline else make_envs(config, "train", config.envs)
-    eval_count = min(config.envs, config.eval_episode_num)
+    train_envs = [] if config.offline_traindir or config.eval_only else make_envs(config, "train", config.envs)
+    eval_count = min(max(config.envs, 1), config.eval_episode_num)
     eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
     try:
-        some_env = (train_envs or eval_envs)[0]
-    except IndexError:
-        fail("Offline training needs evaluation environments to know the spaces; set --eval_episode_num > 0")
-    try:
-        check_spaces(config, some_env.act_space)
-        agent = Dreamer(some_env.obs_space, some_env.act_space, config).to(config.device)
-    except ValueError as e:
+        if not train_envs and not eval_envs:
+            raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
+        env = (train_envs or eval_envs)[0]
+        check_spaces(config, env.act_space)
+        agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
+    except (ConfigError, ValueError) as e:
         for env in train_envs + eval_envs:
             env.close()
         fail(str(e))
-    logdir.mkdir(parents=True, exist_ok=True)
     try:
-        run(config, agent, logdir, traindir, evaldir, train_envs, eval_envs)
+        if config.eval_only:
+            return evaluate_checkpoint(config, agent, logdir, eval_envs)
+        logdir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None), flush=True)
+        for line in changed:
+            print(f"warning: differs from the saved config: {line}", flush=True)
+        save_config(config, logdir / "config.yaml")
+        trainer.train()
     finally:
         for env in train_envs + eval_envs:
             env.close()
-
-
-def run(config, agent, logdir, traindir, evaldir, train_envs, eval_envs):
-    checkpoint = logdir / "latest.pt"
-    replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
-    source = pathlib.Path(config.offline_traindir) if config.offline_traindir else traindir
-    loaded_steps = 0
-    for i, episode in enumerate(tools.load_episodes(source, config.dataset_size)):
-        replay.add_episode({k: v for k, v in episode.items() if not k.startswith("log_")}, i % len(replay.streams))
-        loaded_steps += len(episode["reward"]) - 1
-    eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
-    for episode in tools.load_episodes(config.offline_evaldir or evaldir, 100 * config.batch_length):
-        eval_replay.add_episode({k: v for k, v in episode.items() if not k.startswith("log_")})
-
-    counters = Counters()
-    batch_steps = config.batch_size * config.batch_length
-    schedules = {"train": tools.Ratio(config.train_ratio, batch_steps), "log": tools.Every(config.log_every),
-                 "eval": tools.Every(config.eval_every)}
-    resumed = checkpoint.exists()
-    if not resumed:  # episodes left by a run killed before its first checkpoint still count
-        counters.policy_steps = 0 if config.offline_traindir else loaded_steps
-    if resumed:
-        restore(tools.load_checkpoint(checkpoint, config.device), agent, counters, schedules, replay)
-        print(f"Resuming from {checkpoint} at frame {counters.frames(config.action_repeat)}.")
-    logger = tools.Logger(logdir, counters.frames(config.action_repeat))
-
-    recent_episodes = []
-
-    def on_train_episode(episode):
-        counters.episodes += 1
-        recent_episodes.append(episode)
-        stats = episode_stats(episode)
-        logger.scalar("train/return", stats["return"])
-        logger.scalar("train/length", stats["length"])
-
-    collector = Collector(train_envs, replay, traindir, on_train_episode) if train_envs else None
-    frames = lambda: counters.frames(config.action_repeat)  # noqa: E731
-
-    def collect(policy):
-        if collector is None:  # offline: time advances as if the agent were collecting
-            counters.policy_steps += max(1, config.envs)
-        else:
-            counters.policy_steps += collector.step(policy)
-
-    # Prefill with uniform random actions, then pretrain, unless the replay already holds enough.
-    random_behavior = exploration.Random(config, (train_envs or eval_envs)[0].act_space)
-
-    def random_policy(obs, state):
-        n = len(obs["is_first"])
-        return random_behavior.actor(torch.zeros(n, 1)).sample().numpy(), None
-
-    while collector is not None and frames() < config.prefill and not resumed:
-        collect(random_policy)
-    if not resumed:
-        print(f"Prefilled {len(replay)} steps; pretraining {config.pretrain} updates.")
-    metrics_acc = {}
-    last_log = (time.time(), frames(), counters.updates)
-
-    def train(count):
-        for _ in range(count):
-            if not replay.ready(config.batch_length):
-                return
-            metrics = agent.train_step(replay.sample(config.batch_size, config.batch_length))
-            counters.updates += 1
-            for key, value in metrics.items():
-                metrics_acc.setdefault(key, []).append(value)
-
-    if not resumed:
-        train(config.pretrain)
-        schedules["train"].updates = int(counters.policy_steps / schedules["train"].steps_per_update)
-
-    def policy(obs, state):
-        explore = config.expl_behavior != "greedy" and (not config.expl_until or frames() < config.expl_until)
-        return agent.policy(obs, state, "explore" if explore else "train")
-
-    def log():
-        nonlocal last_log
-        now, step = time.time(), frames()
-        for key, values in metrics_acc.items():
-            logger.scalar(metric_name(key), torch.stack(values).float().mean())
-        metrics_acc.clear()
-        seconds = max(now - last_log[0], 1e-9)
-        logger.scalar("perf/fps", (step - last_log[1]) / seconds)
-        logger.scalar("perf/updates_per_s", (counters.updates - last_log[2]) / seconds)
-        logger.scalar("perf/updates", counters.updates)
-        logger.scalar("perf/replay_steps", len(replay))
-        logger.scalar("train/episodes", counters.episodes)
-        if collector is not None:
-            logger.scalar("train/dropped_episodes", collector.dropped)
-        for key, value in envs.episode_metrics(config.task, recent_episodes).items():
-            logger.scalar(f"train/{key}", value)
-        recent_episodes.clear()
-        if config.video_pred_log and agent.wm.heads["decoder"].cnn_shapes and replay.ready(config.batch_length):
-            batch = agent.wm.preprocess(replay.sample(6, config.batch_length))
-            logger.video("train/openl", agent.wm.video_pred(batch))
-        values = logger.write(step)
-        shown = {k: v for k, v in values.items() if k in ("train/return", "eval/return", "perf/fps")}
-        print(f"[{step}] " + " ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
-        last_log = (now, step, counters.updates)
-
-    def save():
-        tools.save_checkpoint(checkpoint, checkpoint_state(agent, counters, schedules, replay))
-
-    try:
-        while frames() < config.steps:
-            if eval_envs and schedules["eval"](frames()):
-                evaluate(agent, eval_envs, config, logger, evaldir, eval_replay)
-                if config.video_pred_log and agent.wm.heads["decoder"].cnn_shapes \
-                        and eval_replay.ready(config.batch_length):
-                    batch = agent.wm.preprocess(eval_replay.sample(6, config.batch_length))
-                    logger.video("eval/openl", agent.wm.video_pred(batch))
-                save()
-            collect(policy)
-            train(schedules["train"](counters.policy_steps))
-            if schedules["log"](frames()):
-                log()
-        if eval_envs:
-            evaluate(agent, eval_envs, config, logger, evaldir, eval_replay)
-        log()
-    finally:
-        save()
-        logger.close()
 
 
 ACTOR_METRICS = ("return_scale", "advantage", "imag_reward", "imag_return")

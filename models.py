@@ -249,15 +249,13 @@ class ActorCritic(nn.Module):
         continue flags start_cont (N,)."""
         config = self.config
         wm = self.wm[0]
-        with frozen(wm), autocast(config):
+        with frozen(wm, self.critic), autocast(config):
             feat, state, action = self.imagine(start)
             reward = self.reward_fn(feat, state, action)  # (H+1, N)
             cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
             # The weight discounts losses of states that the model believes lie past an episode end.
             weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
-            target_net = self.slow_critic if config.critic.slow_target else self.critic
-            with torch.no_grad():
-                value = target_net(feat[1:].detach()).mean()
+            value = self.critic(feat[1:]).mean()  # the dynamics gradient flows through the values
             returns = lambda_return(reward[1:], cont[1:], value, config.discount, config.discount_lambda)
             actor_loss, metrics = self.actor_loss(feat, action, returns, weight)
         metrics.update(self.actor_opt(actor_loss))
@@ -267,7 +265,7 @@ class ActorCritic(nn.Module):
         metrics.update(self.critic_opt(critic_loss))
         self.update_slow_critic()
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
-                       imag_value=value.mean())
+                       imag_value=value.detach().mean())
         return {self.prefix + k: v for k, v in metrics.items()}
 
     def actor_loss(self, feat, action, returns, weight):

@@ -314,7 +314,7 @@ class RSSM(nn.Module):
         mean, std = x.chunk(2, -1)
         if self.mean_act == "tanh5":
             mean = 5.0 * torch.tanh(mean / 5.0)
-        std = {"softplus": nn.functional.softplus, "abs": lambda s: s.abs() + 1.0,
+        std = {"softplus": nn.functional.softplus, "abs": lambda s: (s + 1.0).abs(),
                "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}[self.std_act](std)
         return {"mean": mean, "std": std + self.min_std}
 
@@ -331,7 +331,10 @@ class RSSM(nn.Module):
         else:
             deter = torch.tanh(self.initial_deter).expand(batch, self.deter)
         stats = self._stats(self.img_stats(self.img_out(deter)))
-        return {"deter": deter, "stoch": self.dist(stats).mode(), **stats}
+        stoch = self.dist(stats).mode()
+        if self.initial_mode == "zeros":
+            stoch = torch.zeros_like(stoch)
+        return {"deter": deter, "stoch": stoch, **stats}
 
     def get_feat(self, state):  # -> (..., stoch*discrete + deter)
         stoch = state["stoch"]

@@ -44,10 +44,20 @@ class TwoHot:
     def __init__(self, logits, low=-20.0, high=20.0):
         self.logits = logits  # (..., bins)
         self.log_probs = torch.log_softmax(logits, -1)
-        self.bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+        bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+        if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
+            bins = (bins - bins.flip(0)) / 2
+        self.bins = bins
 
     def mean(self):  # (...)
         probs = self.log_probs.exp()
+        n = probs.shape[-1]
+        if n % 2 == 1:
+            # Add mirrored bins first, so that uniform probabilities predict exactly 0.
+            m = n // 2
+            lower = (probs[..., :m] * self.bins[:m]).flip(-1)
+            upper = probs[..., m + 1:] * self.bins[m + 1:]
+            return symexp((lower + upper).sum(-1) + probs[..., m] * self.bins[m])
         return symexp((probs * self.bins).sum(-1))
 
     mode = mean
@@ -83,7 +93,8 @@ class SymlogMSE:
     mean = mode
 
     def log_prob(self, value):
-        return -((self.pred - symlog(value)) ** 2).sum(self.dims)
+        error = (self.pred - symlog(value)) ** 2
+        return -error.sum(self.dims) if self.dims else -error
 
 
 class MSE:
@@ -99,7 +110,8 @@ class MSE:
     mean = mode
 
     def log_prob(self, value):
-        return -((self.pred - value) ** 2).sum(self.dims)
+        error = (self.pred - value) ** 2
+        return -error.sum(self.dims) if self.dims else -error
 
 
 class Bernoulli:
@@ -138,13 +150,13 @@ class OneHot:
     def mode(self):
         index = self.logits.argmax(-1)
         onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
-        return onehot + self.probs - self.probs.detach()
+        return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
     def sample(self):
         index = torch.multinomial(self.probs.reshape(-1, self.probs.shape[-1]).float(), 1)
         index = index.reshape(self.probs.shape[:-1])
         onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
-        return onehot + self.probs - self.probs.detach()
+        return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
     def log_prob(self, onehot):
         return (onehot * self.log_probs).sum(-1)
@@ -432,11 +444,16 @@ class Ratio:
     """Number of updates owed so that updates * replayed_per_update / steps == ratio."""
 
     def __init__(self, ratio, replayed_per_update):
+        self.ratio, self.replayed_per_update = ratio, replayed_per_update
         self.steps_per_update = replayed_per_update / ratio
         self.updates = 0
 
+    def owed(self, steps):
+        """Updates owed in total after `steps` steps; multiply first so exact ratios stay exact."""
+        return int(steps * self.ratio / self.replayed_per_update)
+
     def __call__(self, steps):
-        due = int(steps / self.steps_per_update) - self.updates
+        due = self.owed(steps) - self.updates
         due = max(0, due)
         self.updates += due
         return due

@@ -90,6 +90,7 @@ class DeepMindControl:
 
 
 def make(name, config, mode, seed):
-    wants_image = bool(re.match(config.encoder.cnn_keys, "image"))
+    # Proprio runs never render, except to film the policy for --eval_only.
+    wants_image = bool(re.match(config.encoder.cnn_keys, "image")) or (mode == "eval" and config.eval_only)
     env = DeepMindControl(name, config.action_repeat, config.size, seed=seed, image=wants_image)
     return wrappers.wrap(env, config)

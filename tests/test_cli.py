@@ -1,0 +1,136 @@
+"""Configuration merging and every command-line form, including the errors."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import dreamer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+PRESETS = {
+    "defaults": {"steps": 10, "lr": 1e-4, "flag": False, "size": [64, 64], "name": "a",
+                 "group": {"depth": 32, "keys": "image", "act": "SiLU"}},
+    "first": {"steps": 20, "group": {"depth": 48}},
+    "second": {"steps": 30, "group": {"keys": "$^"}},
+}
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    return subprocess.run([sys.executable, str(ROOT / "dreamer.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_presets_merge_in_order_and_key_by_key():
+    config = dreamer.parse(["--configs", "first", "second"], PRESETS)
+    assert config.steps == 30  # later preset wins
+    assert config.group.depth == 48  # nested groups merge key by key
+    assert config.group.keys == "$^"
+    assert config.group.act == "SiLU"
+    assert dreamer.parse(["--configs", "second", "first"], PRESETS).steps == 20
+
+
+def test_overrides_follow_presets_and_parse_types():
+    config = dreamer.parse(["--configs", "first", "--steps", "1e6", "--lr", "3e-5", "--group.depth", "96",
+                            "--size", "32,48", "--name", "b"], PRESETS)
+    assert config.steps == 1_000_000 and isinstance(config.steps, int)
+    assert config.lr == pytest.approx(3e-5)
+    assert config.group.depth == 96
+    assert config.size == [32, 48]
+    assert config.name == "b"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--flag"], True), (["--flag", "True"], True), (["--flag", "true"], True), (["--flag", "1"], True),
+    (["--flag", "False"], False), (["--flag", "false"], False), (["--flag", "0"], False),
+    (["--flag", "--steps", "5"], True), (["--flag=false"], False),
+])
+def test_boolean_forms(args, expected):
+    assert dreamer.parse(args, PRESETS).flag is expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "frist"], "Unknown preset 'frist' (closest: first"),
+    (["--stepz", "3"], "Unknown config key '--stepz' (closest: --steps"),
+    (["--group.dpeth", "3"], "closest: --group.depth"),
+    (["--steps", "many"], "Invalid value 'many' for --steps: expected a number"),
+    (["--flag", "maybe"], "Invalid value 'maybe' for --flag"),
+    (["--steps"], "Missing value for --steps"),
+])
+def test_config_errors_name_the_problem(args, message):
+    with pytest.raises(dreamer.ConfigError) as error:
+        dreamer.parse(args, PRESETS)
+    assert message in str(error.value)
+
+
+def test_real_presets_and_verbatim_commands_parse():
+    config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--envs", "4", "--parallel",
+                            "--logdir", "./logdir/dmc_walker_walk_parallel"])
+    assert (config.envs, config.parallel, config.steps, config.encoder.cnn_keys) == (4, True, 1_000_000, "image")
+    config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--logdir",
+                            "./logdir/dmc_walker_walk"])
+    assert config.parallel is False and config.device == "cuda:0" and config.compile is True
+    config = dreamer.parse(["--configs", "dmc_proprio", "--actor.lr", "1e-4", "--encoder.cnn_depth", "48"])
+    assert config.actor.lr == pytest.approx(1e-4) and config.encoder.cnn_depth == 48
+    assert config.encoder.mlp_keys == ".*" and config.steps == 500_000
+
+
+def test_every_preset_parses():
+    for name in dreamer.load_presets():
+        dreamer.parse(["--configs", name])
+
+
+def test_choice_keys_list_valid_values():
+    with pytest.raises(dreamer.ConfigError, match="valid: dynamics, reinforce, both"):
+        dreamer.parse(["--imag_gradient", "magic"])
+    with pytest.raises(dreamer.ConfigError, match="valid: 16, 32"):
+        dreamer.parse(["--precision", "8"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "dmc_visoin"], "Unknown preset 'dmc_visoin' (closest: dmc_vision"),
+    (["--configs", "debug", "--stepz", "5"], "Unknown config key '--stepz' (closest: --steps"),
+    (["--configs", "debug", "--envs", "four"], "Invalid value 'four' for --envs"),
+    (["--configs", "debug", "--task", "dcm_walker_walk"], "Unknown suite in task 'dcm_walker_walk'"),
+    (["--configs", "debug", "--task", "dmc_walker_wlak"], "closest valid: dmc_walker_walk"),
+    (["--configs", "debug", "--device", "tpu:0"], "Invalid value 'tpu:0' for --device"),
+])
+def test_cli_errors_exit_2_with_one_line_and_create_nothing(tmp_path, args, message):
+    logdir = tmp_path / "run"
+    result = run_cli(*args, "--logdir", str(logdir))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not logdir.exists()
+
+
+def test_missing_logdir_is_a_clear_error():
+    result = run_cli("--configs", "debug")
+    assert result.returncode == 2
+    assert "Missing --logdir" in result.stderr
+
+
+def test_cuda_absent_falls_back_to_cpu(monkeypatch):
+    monkeypatch.setattr(dreamer.torch.cuda, "is_available", lambda: False)
+    config = dreamer.parse(["--configs", "debug", "--device", "cuda:0"])
+    assert dreamer.resolve_device(config) == "CUDA is not available"
+    assert config.device == "cpu"
+    config = dreamer.parse(["--configs", "debug", "--device", "cpu"])
+    assert dreamer.resolve_device(config) is None and config.device == "cpu"
+
+
+def test_verbatim_parallel_vision_command_starts(tmp_path):
+    """The README's command with 4 parallel workers builds envs and the full-size agent; the budget
+    flags only stop it right after start-up."""
+    logdir = tmp_path / "walker"
+    result = run_cli("--configs", "dmc_vision", "--task", "dmc_walker_walk", "--envs", "4", "--parallel",
+                     "--logdir", str(logdir), "--device", "cpu", "--compile", "False", "--steps", "0",
+                     "--prefill", "0", "--pretrain", "0", "--eval_episode_num", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Environments: 4 (parallel processes)" in result.stdout
+    assert (logdir / "latest.pt").exists() and (logdir / "config.yaml").exists()

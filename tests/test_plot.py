@@ -1,0 +1,139 @@
+"""benchmarks/plot.py: learning curves of runs beside the published DreamerV3 curves."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "plot.py"
+SHARED_REFERENCE = ROOT.parent / "shared" / "reference"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+_spec = importlib.util.spec_from_file_location("benchmarks_plot", SCRIPT)
+plot = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot)
+
+
+def fake_run(folder, task=None, seed=0, frames=100_000, every=10_000, metrics=("eval/return", "train/return")):
+    """A logdir as tools.Logger writes it: one JSON line per log step; config.yaml when task is given."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    with (folder / "metrics.jsonl").open("w") as f:
+        for step in range(every, frames + 1, every):
+            values = {m: float(900 * step / frames + rng.normal(0, 20)) for m in metrics}
+            f.write(json.dumps({"step": step, **values, "perf/fps": 100.0}) + "\n")
+    if task:
+        (folder / "config.yaml").write_text(f"task: {task}\nseed: {seed}\nencoder:\n  cnn_keys: image\n")
+    return folder
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def assert_png(path):
+    data = pathlib.Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 20_000  # a drawn figure, not an empty canvas
+
+
+def test_png_for_task_with_and_without_reference(tmp_path):
+    walker = [fake_run(tmp_path / f"w{s}", task="dmc_walker_walk", seed=s) for s in range(3)]
+    crafter = fake_run(tmp_path / "crafter_reward_seed0", seed=7)  # no config.yaml: task from the folder name
+    out = tmp_path / "figs" / "curves.png"
+    result = run_cli(*walker, crafter, "--output", out)
+    assert result.returncode == 0, result.stderr
+    assert_png(out)
+    lines = result.stdout.splitlines()
+    walker_line = next(line for line in lines if "dmc_walker_walk:" in line)
+    assert "3 seeds" in walker_line and "reference dmc_vision:dmc_walker_walk" in walker_line
+    crafter_line = next(line for line in lines if "crafter_reward:" in line)
+    assert "1 seed," in crafter_line and "no published curve" in crafter_line
+
+
+def test_train_return_minmax_and_single_task(tmp_path):
+    run = fake_run(tmp_path / "pong", task="atari_pong", frames=400_000, every=4_000)
+    out = tmp_path / "pong.png"
+    result = run_cli(run, "--output", out, "--metric", "train/return", "--spread", "minmax", "--reference", "atari100k")
+    assert result.returncode == 0, result.stderr
+    assert_png(out)
+    assert "reference atari100k:atari_pong" in result.stdout
+
+
+def test_aggregate_matches_hand_computation():
+    seed_a = (np.array([5, 10, 12, 20, 30]), np.array([1.0, 3.0, 5.0, 7.0, 9.0]))
+    seed_b = (np.array([8, 19, 20]), np.array([2.0, 4.0, 6.0]))
+    agg = plot.aggregate([seed_a, seed_b], bin_frames=10)
+    # Windows (0,10], (10,20], (20,30]. Seed a: mean(1,3)=2, mean(5,7)=6, 9. Seed b: 2, mean(4,6)=5, none.
+    np.testing.assert_allclose(agg["frames"], [10, 20, 30])
+    np.testing.assert_allclose(agg["mean"], [2.0, 5.5, 9.0])
+    np.testing.assert_allclose(agg["std"], [0.0, 0.5, 0.0])  # ddof=0: |6 - 5| / 2
+    np.testing.assert_allclose(agg["min"], [2.0, 5.0, 9.0])
+    np.testing.assert_allclose(agg["max"], [2.0, 6.0, 9.0])
+    np.testing.assert_array_equal(agg["count"], [2, 2, 1])
+
+
+def test_runs_of_one_task_are_seeds_of_one_panel(tmp_path):
+    runs = [fake_run(tmp_path / f"walker_seed{s}", seed=s) for s in range(2)]  # task from folder names
+    runs.append(fake_run(tmp_path / "x", task="dmc_cheetah_run"))
+    groups = plot.collect(runs, "eval/return", "auto", plot.load_reference())
+    assert list(groups) == ["walker", "dmc_cheetah_run"]
+    assert len(groups["walker"]["seeds"]) == 2 and groups["walker"]["reference"] is None
+    assert groups["dmc_cheetah_run"]["reference"]["task"] == "dmc_cheetah_run"
+
+
+def test_choose_bin_is_round_and_not_below_logging_interval():
+    assert plot.choose_bin([(np.arange(10_000, 500_001, 2_000), None)]) == 10_000
+    assert plot.choose_bin([(np.arange(10_000, 1_000_001, 10_000), None)]) == 20_000
+    assert plot.choose_bin([(np.array([15_000, 30_000, 45_000]), None)]) == 20_000  # interval 15K -> 20K
+
+
+def test_reference_lookup_maps_task_names():
+    ref = plot.load_reference()
+    assert plot.reference_suite("dmc_walker_walk", "auto", {}) == "dmc_vision"
+    assert plot.reference_suite("dmc_walker_walk", "auto", {"encoder": {"cnn_keys": "$^"}}) == "dmc_proprio"
+    assert plot.reference_suite("atari_pong", "auto", {}) == "atari100k"
+    assert plot.reference_suite("crafter_reward", "auto", {}) is None
+    assert plot.find_reference(ref, "dmc_proprio", "dmc_walker_walk")["seeds"] == 5
+    assert plot.find_reference(ref, "dmc_vision", "dmc_cup_catch")["task"] == "dmc_ball_in_cup_catch"
+    assert plot.find_reference(ref, "atari100k", "atari_MsPacman")["task"] == "atari_ms_pacman"
+    assert plot.find_reference(ref, "atari100k", "dmc_walker_walk") is None
+    # Null windows in the source (no seed logged there) are dropped, not drawn as NaN.
+    curve = plot.find_reference(ref, "dmc_proprio", "dmc_walker_walk")
+    assert len(curve["frames"]) == 49 and np.isfinite(curve["mean"]).all()
+
+
+def test_reference_file_is_the_shared_data_rounded():
+    copied = json.loads((ROOT / "benchmarks" / "reference_curves.json").read_text())
+    assert "danijar/dreamerv3" in copied["source"]
+    assert copied == plot.build_reference(SHARED_REFERENCE)
+    walker = json.loads((SHARED_REFERENCE / "dmc_vision.json").read_text())["tasks"]["dmc_walker_walk"]
+    mine = copied["suites"]["dmc_vision"]["tasks"]["dmc_walker_walk"]
+    assert mine["frames"] == walker["frames"]
+    np.testing.assert_allclose(mine["mean"], walker["mean"], atol=0.05 + 1e-9)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "run folder not found"),
+    ("no_metrics", "no metrics.jsonl in"),
+    ("no_metric", "metric 'eval/return' not in"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case, message):
+    run = tmp_path / "run"
+    if case == "no_metrics":
+        run.mkdir()
+    elif case == "no_metric":
+        fake_run(run, task="dmc_walker_walk", metrics=("train/return",))
+    result = run_cli(run, "--output", tmp_path / "out.png")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("plot.py: error: ")
+    assert message in result.stderr
+    if case == "no_metric":
+        assert "train/return" in result.stderr  # names what the run does have
+    assert not (tmp_path / "out.png").exists()

@@ -1,0 +1,269 @@
+"""Episode files, the sequence replay buffer and the training schedules (tools.py)."""
+
+import pathlib
+import sys
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import tools  # noqa: E402
+
+
+def episode(length, start=0, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"image": rng.integers(0, 256, (length, 4, 4, 3), dtype=np.uint8),
+            "action": rng.uniform(-1, 1, (length, 2)).astype(np.float32),
+            "reward": np.arange(start, start + length, dtype=np.float32),
+            "is_first": np.arange(length) == 0,
+            "is_terminal": np.zeros(length, bool)}
+
+
+def save_in_order(directory, lengths):
+    """Save episodes one after another; their rewards count up so each is recognisable."""
+    saved, start = [], 0
+    for length in lengths:
+        saved.append(episode(length, start))
+        tools.save_episode(directory, saved[-1])
+        start += length
+        time.sleep(0.002)  # distinct time stamps in the names
+    return saved
+
+
+def assert_same_episode(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        np.testing.assert_array_equal(a[key], b[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Episode files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_save_episode_writes_one_complete_file_and_no_temporaries(tmp_path):
+    ep = episode(7)
+    filename = tools.save_episode(tmp_path / "eps", ep)
+    files = sorted(p.name for p in (tmp_path / "eps").iterdir())
+    assert files == [filename.name]
+    assert filename.suffix == ".npz" and filename.stem.endswith("-7")
+    with np.load(filename) as data:
+        assert_same_episode({k: data[k] for k in data.files}, ep)
+
+
+def test_save_episode_failing_write_leaves_no_visible_episode(tmp_path, monkeypatch):
+    directory = tmp_path / "eps"
+    save_in_order(directory, [3])
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tools.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        tools.save_episode(directory, episode(5, start=100))
+    monkeypatch.undo()
+    assert len(list(directory.glob("*.npz"))) == 1
+    loaded = tools.load_episodes(directory)
+    assert [len(e["reward"]) for e in loaded] == [3]
+
+
+def test_load_episodes_all_oldest_first(tmp_path):
+    saved = save_in_order(tmp_path, [3, 4, 5, 6])
+    loaded = tools.load_episodes(tmp_path)
+    assert len(loaded) == 4
+    for a, b in zip(loaded, saved):
+        assert_same_episode(a, b)
+
+
+@pytest.mark.parametrize("limit, lengths", [(6, [6]), (10, [6]), (11, [5, 6]), (14, [5, 6]), (15, [4, 5, 6]),
+                                            (18, [3, 4, 5, 6]), (100, [3, 4, 5, 6]), (5, [])])
+def test_load_episodes_respects_step_limit_newest_first(tmp_path, limit, lengths):
+    save_in_order(tmp_path, [3, 4, 5, 6])
+    loaded = tools.load_episodes(tmp_path, limit=limit)
+    assert [len(e["reward"]) for e in loaded] == lengths
+    assert sum(len(e["reward"]) for e in loaded) <= limit
+    # Oldest first: rewards count up across the returned episodes.
+    rewards = np.concatenate([e["reward"] for e in loaded]) if loaded else np.zeros(0)
+    np.testing.assert_array_equal(rewards, np.arange(18 - len(rewards), 18))
+
+
+def test_load_episodes_missing_directory(tmp_path):
+    assert tools.load_episodes(tmp_path / "absent") == []
+
+
+def test_load_episodes_skips_corrupt_files_with_a_warning(tmp_path):
+    save_in_order(tmp_path, [3, 4])
+    # Newest by name: garbage bytes, and a real episode file cut in half.
+    (tmp_path / "99990101T000000000000-deadbeef-5.npz").write_bytes(b"not an npz file at all")
+    good = tools.save_episode(tmp_path / "tmp", episode(8))
+    raw = good.read_bytes()
+    (tmp_path / "99990101T000000000001-cafecafe-8.npz").write_bytes(raw[:len(raw) // 2])
+    with pytest.warns(UserWarning, match="Skipping unreadable episode") as record:
+        loaded = tools.load_episodes(tmp_path)
+    assert len(record) == 2
+    assert [len(e["reward"]) for e in loaded] == [3, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------------
+
+
+def step(stream, t):
+    """One step whose `id` says where it came from: stream * 100000 + t."""
+    return {"id": np.int64(stream * 100000 + t), "obs": np.full((2, 3), t, np.float32),
+            "is_first": np.bool_(t % 7 == 0), "reward": np.float32(t)}
+
+
+def fill(replay, stream, count, offset=0):
+    for t in range(offset, offset + count):
+        replay.add(step(stream, t), stream)
+
+
+def test_replay_sample_shapes_and_dtypes():
+    replay = tools.Replay(capacity=100, streams=2, seed=0)
+    fill(replay, 0, 20)
+    fill(replay, 1, 15)
+    out = replay.sample(batch=6, length=5)
+    assert set(out) == {"id", "obs", "is_first", "reward"}
+    assert out["id"].shape == (6, 5) and out["id"].dtype == np.int64
+    assert out["obs"].shape == (6, 5, 2, 3) and out["obs"].dtype == np.float32
+    assert out["is_first"].shape == (6, 5) and out["is_first"].dtype == np.bool_
+    assert out["reward"].shape == (6, 5) and out["reward"].dtype == np.float32
+
+
+def test_replay_sequences_are_consecutive_steps_of_one_stream():
+    replay = tools.Replay(capacity=300, streams=3, seed=1)
+    for stream, count in enumerate([40, 25, 60]):
+        fill(replay, stream, count)
+    out = replay.sample(batch=200, length=8)
+    ids = out["id"]
+    streams, t = ids // 100000, ids % 100000
+    assert (streams == streams[:, :1]).all()
+    np.testing.assert_array_equal(np.diff(t, axis=1), 1)
+    for row in range(len(ids)):  # every field of a row comes from the same steps
+        np.testing.assert_array_equal(out["obs"][row, :, 0, 0], t[row])
+        np.testing.assert_array_equal(out["reward"][row], t[row])
+        np.testing.assert_array_equal(out["is_first"][row], t[row] % 7 == 0)
+    assert set(np.unique(streams)) == {0, 1, 2}
+
+
+def test_replay_samples_every_valid_start_uniformly():
+    replay = tools.Replay(capacity=100, streams=2, seed=2)
+    fill(replay, 0, 5)
+    fill(replay, 1, 10)
+    out = replay.sample(batch=5000, length=3)
+    starts = out["id"][:, 0]
+    valid = [0, 1, 2] + [100000 + t for t in range(8)]  # 3 + 8 start positions
+    values, counts = np.unique(starts, return_counts=True)
+    assert sorted(values.tolist()) == valid
+    np.testing.assert_allclose(counts / counts.sum(), 1 / 11, atol=0.02)
+
+
+def test_replay_ring_overwrite_drops_oldest():
+    replay = tools.Replay(capacity=10, streams=1, seed=3)
+    fill(replay, 0, 25)
+    assert len(replay) == 10
+    out = replay.sample(batch=4, length=10)
+    np.testing.assert_array_equal(out["id"], np.tile(np.arange(15, 25), (4, 1)))
+    out = replay.sample(batch=300, length=3)
+    assert out["id"].min() >= 15 and out["id"].max() <= 24
+    np.testing.assert_array_equal(np.diff(out["id"], axis=1), 1)
+    assert set(out["id"][:, 0].tolist()) == set(range(15, 23))
+
+
+@pytest.mark.parametrize("capacity, count", [(3000, 2500), (1500, 2000), (2048, 2049)])
+def test_replay_growth_keeps_every_step(capacity, count):
+    replay = tools.Replay(capacity=capacity, streams=1, seed=4)
+    fill(replay, 0, count)
+    held = min(capacity, count)
+    assert len(replay) == held
+    out = replay.sample(batch=1, length=held)
+    np.testing.assert_array_equal(out["id"][0], np.arange(count - held, count))
+
+
+def test_replay_capacity_is_split_across_streams():
+    replay = tools.Replay(capacity=10, streams=3, seed=5)
+    for stream in range(3):
+        fill(replay, stream, 10)
+    per_stream = int(np.ceil(10 / 3))  # 4
+    assert len(replay) == 3 * per_stream
+    out = replay.sample(batch=300, length=per_stream)
+    np.testing.assert_array_equal(out["id"] % 100000, np.tile(np.arange(6, 10), (300, 1)))
+    with pytest.raises(RuntimeError):
+        replay.sample(batch=1, length=per_stream + 1)
+
+
+def test_replay_ready_and_empty():
+    replay = tools.Replay(capacity=100, streams=2, seed=6)
+    assert not replay.ready(4) and len(replay) == 0
+    with pytest.raises(RuntimeError, match="no sequence"):
+        replay.sample(batch=2, length=4)
+    fill(replay, 0, 3)
+    fill(replay, 1, 3)
+    assert not replay.ready(4)  # 6 steps in total, but no single stream holds 4 consecutive
+    with pytest.raises(RuntimeError):
+        replay.sample(batch=2, length=4)
+    fill(replay, 1, 1, offset=3)
+    assert replay.ready(4)
+    assert (replay.sample(batch=5, length=4)["id"] // 100000 == 1).all()
+
+
+def test_replay_add_episode_keeps_order():
+    replay = tools.Replay(capacity=50, streams=2, seed=7)
+    ep = episode(12, start=40)
+    replay.add_episode(ep, stream=1)
+    assert len(replay) == 12 and len(replay.streams[0]) == 0
+    out = replay.sample(batch=3, length=12)
+    for key in ep:
+        np.testing.assert_array_equal(out[key][0], ep[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_fires_once_per_interval():
+    every = tools.Every(10)
+    steps = [0, 3, 9, 10, 11, 19, 20, 35, 39, 40, 41, 100]
+    fired = [step for step in steps if every(step)]
+    assert fired == [0, 10, 20, 35, 40, 100]
+    # Reference: fires whenever `step` reaches the last firing point plus a whole interval.
+    every, last, want = tools.Every(7), None, []
+    for s in range(0, 200, 3):
+        if last is None or s >= last + 7:
+            last = s if last is None else last + 7 * ((s - last) // 7)
+            want.append(s)
+    assert [s for s in range(0, 200, 3) if every(s)] == want
+
+
+def test_every_with_a_start_point_and_disabled():
+    every = tools.Every(5, last=0)
+    assert [s for s in range(0, 16) if every(s)] == [5, 10, 15]
+    assert not any(tools.Every(0)(s) for s in range(10))
+    assert not any(tools.Every(-3)(s) for s in range(10))
+
+
+@pytest.mark.parametrize("ratio, replayed", [(512, 1024), (32, 200), (3, 7), (100, 7), (1.5, 7), (17, 200),
+                                             (0.5, 16)])
+def test_ratio_owes_exactly_the_updates_for_the_replay_ratio(ratio, replayed):
+    schedule = tools.Ratio(ratio, replayed)
+    total = 0
+    for steps in range(0, 2000, 5):
+        total += schedule(steps)
+        # Exact arithmetic: floor(steps * ratio / replayed) updates are owed after `steps` steps.
+        assert total == int(Fraction(steps) * Fraction(ratio) / Fraction(replayed)), steps
+    assert schedule(steps) == 0  # asking again at the same step count owes nothing more
+
+
+def test_ratio_never_negative_and_catches_up():
+    schedule = tools.Ratio(32, 200)  # one update per 6.25 steps
+    assert schedule(0) == 0
+    assert schedule(100) == 16
+    assert schedule(50) == 0
+    assert schedule(1000) == 160 - 16

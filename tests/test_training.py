@@ -1,0 +1,147 @@
+"""End-to-end: a debug training run writes everything a researcher needs, and resumes."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEBUG = ["--configs", "debug", "--task", "dmc_cartpole_balance"]
+
+
+def train(logdir, *args, timeout=600):
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def events(logdir):
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def metrics(logdir):
+    return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("debug_run")
+    result = train(logdir, "--steps", "400")
+    return logdir, result
+
+
+def test_debug_run_writes_tensorboard_scalars_and_videos(run):
+    logdir, _ = run
+    tags = events(logdir).Tags()
+    for name in ("train/return", "train/length", "eval/return", "world_model/model_loss", "world_model/kl_loss",
+                 "world_model/image_loss", "world_model/reward_loss", "world_model/cont_loss",
+                 "world_model/model_grad_norm", "actor/actor_loss", "actor/actor_entropy", "actor/actor_grad_norm",
+                 "critic/critic_loss", "critic/critic_grad_norm", "perf/fps", "perf/updates"):
+        assert name in tags["scalars"], name
+    # SummaryWriter.add_video stores each video as an animated image summary.
+    for name in ("eval/policy", "train/openl", "eval/openl"):
+        assert name in tags["images"], name
+    assert "config/text_summary" in tags["tensors"]
+
+
+def test_debug_run_writes_metrics_episodes_and_checkpoint(run):
+    logdir, result = run
+    rows = metrics(logdir)
+    assert rows[-1]["step"] == 400
+    assert any("train/return" in row for row in rows) and any("eval/return" in row for row in rows)
+    assert all(np.isfinite(value) for row in rows for value in row.values())
+    episodes = sorted((logdir / "train_eps").glob("*.npz"))
+    assert episodes and list((logdir / "eval_eps").glob("*.npz"))
+    with np.load(episodes[0]) as episode:
+        assert episode["image"].dtype == np.uint8 and episode["image"].shape[1:] == (16, 16, 3)
+        assert episode["is_first"][0] and not episode["is_first"][1:].any() and episode["is_last"][-1]
+        assert len(episode["reward"]) == 101  # 100 policy steps (time_limit 200 frames) plus the first
+    state = torch.load(logdir / "latest.pt", weights_only=False)
+    assert state["counters"]["policy_steps"] * 2 == 400
+    assert {"agent", "optimizers", "counters", "schedules", "rng"} <= set(state)
+    assert not list(logdir.glob(".*.tmp"))
+    assert "Run: new" in result.stdout and "frames 400/400" in result.stdout
+
+
+def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
+    logdir, _ = run
+    before = metrics(logdir)[-1]["step"]
+    result = train(logdir, "--steps", "600")
+    assert "resumed from frame 400" in result.stdout
+    steps = [row["step"] for row in metrics(logdir)]
+    assert steps == sorted(steps) and steps[-1] == 600 and before in steps
+    scalar_steps = [e.step for e in events(logdir).Scalars("perf/updates")]
+    assert scalar_steps == sorted(scalar_steps) and scalar_steps[-1] == 600
+    state = torch.load(logdir / "latest.pt", weights_only=False)
+    assert state["counters"]["policy_steps"] * 2 == 600
+
+
+def test_eval_only_changes_nothing_but_its_own_outputs(run):
+    logdir, _ = run
+    before = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--eval_only",
+               "--eval_episode_num", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    after = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
+    assert {p: b for p, b in after.items() if p in before} == before
+    assert sorted(p.relative_to(logdir).as_posix() for p in set(after) - set(before)) == [
+        "eval_only/episode.mp4", "eval_only/returns.json"]
+    returns = json.loads((logdir / "eval_only" / "returns.json").read_text())
+    assert len(returns["returns"]) == 2 and "return" in result.stdout
+    assert (logdir / "eval_only" / "episode.mp4").read_bytes()[4:8] == b"ftyp"
+
+
+def test_eval_only_without_checkpoint_is_a_clear_error(tmp_path):
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(tmp_path / "none"), "--eval_only"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "--eval_only needs a checkpoint" in result.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_saved_config_warns_on_change_and_refuses_another_task(tmp_path):
+    logdir = tmp_path / "run"
+    train(logdir, "--steps", "40", "--eval_episode_num", "0")
+    result = train(logdir, "--steps", "80", "--eval_episode_num", "0", "--batch_size", "8")
+    assert "warning: differs from the saved config: batch_size: 10 -> 8" in result.stdout
+    assert "steps" not in result.stdout.split("warning")[-1]  # budget keys change silently
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--task",
+               "dmc_walker_walk"]
+    bad = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "differs from this run's task 'dmc_cartpole_balance'" in bad.stderr
+
+
+def test_killed_run_resumes_with_episodes_intact(tmp_path):
+    logdir = tmp_path / "killed"
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--steps", "100000",
+               "--eval_every", "200"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((logdir / "train_eps").glob("*.npz"))) < 2:
+        time.sleep(0.5)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (logdir / "latest.pt").exists()
+    killed_at = torch.load(logdir / "latest.pt", weights_only=False)["counters"]["policy_steps"] * 2
+    for path in (logdir / "train_eps").glob("*.npz"):
+        with np.load(path) as episode:
+            assert episode["is_last"][-1]  # only whole episodes are ever on disk
+    result = train(logdir, "--steps", str(killed_at + 100), "--eval_every", "200")
+    assert f"resumed from frame {killed_at}" in result.stdout
+    assert metrics(logdir)[-1]["step"] == killed_at + 100
