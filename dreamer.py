@@ -225,6 +225,20 @@ class Dreamer(nn.Module):
             self.expl_behavior = exploration.Random(config, act_space)
         else:
             self.expl_behavior = exploration.Plan2Explore(config, self.wm, act_space)
+        self.compiled = self.compile_steps() if config.compile else []
+
+    def compile_steps(self):
+        """Compile the functions that do the work of every update and every policy step: the RSSM
+        transitions (run once per time step) and the MLP/CNN bodies of every network."""
+        rssm = self.wm.rssm
+        rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
+        rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
+        compiled = [rssm.img_step, rssm.obs_step]
+        for name, module in self.named_modules():
+            if isinstance(module, (networks.MLP, networks.ConvEncoder, networks.ConvDecoder)):
+                module.forward = networks.Compiled(module.forward, name)
+                compiled.append(module.forward)
+        return compiled
 
     def extrinsic_reward(self, feat, state, action):
         return self.wm.heads["reward"](feat).mean()
@@ -292,12 +306,18 @@ class Collector:
     `directory` and their return and length reported to `on_episode`.
     """
 
-    def __init__(self, env_list, replay, directory, on_episode):
+    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1):
         self.envs, self.replay, self.directory, self.on_episode = env_list, replay, directory, on_episode
+        self.action_repeat = action_repeat
         self.obs = [None] * len(env_list)
         self.episodes = [[] for _ in env_list]
         self.state = None
         self.dropped = 0  # episodes lost to environment workers that died
+        # Per environment: policy steps, finished episodes, last return; steps at the last status().
+        self.env_steps = [0] * len(env_list)
+        self.env_episodes = [0] * len(env_list)
+        self.env_returns = [float("nan")] * len(env_list)
+        self.status_mark = (time.time(), [0] * len(env_list))
         act_space = env_list[0].act_space
         self.zero_action = np.zeros(act_space.shape, np.float32)
 
@@ -331,6 +351,7 @@ class Collector:
                 self._record(i, obs, self.zero_action, 0.0)
                 continue
             self._record(i, obs, action, reward)
+            self.env_steps[i] += 1
             if done:
                 self._finish(i)
                 done_indices.append(i)
@@ -344,13 +365,19 @@ class Collector:
         if self.directory is not None:
             tools.save_episode(self.directory, episode)
         self.episodes[index] = []
+        self.env_episodes[index] += 1
+        self.env_returns[index] = float(episode["reward"].sum())
         self.on_episode(episode)
 
-    def abandon(self):
-        """Forget unfinished episodes, so the next step starts every environment afresh."""
-        self.obs = [None] * len(self.envs)
-        self.episodes = [[] for _ in self.envs]
-        self.state = None
+    def status(self):
+        """Per-environment steps, episodes, last return and frames per second since the last call."""
+        now, (then, marks) = time.time(), self.status_mark
+        seconds = max(now - then, 1e-9)
+        rows = [{"steps": steps, "episodes": episodes, "last_return": ret,
+                 "fps": (steps - mark) * self.action_repeat / seconds}
+                for steps, episodes, ret, mark in zip(self.env_steps, self.env_episodes, self.env_returns, marks)]
+        self.status_mark = (now, list(self.env_steps))
+        return rows
 
 
 def episode_stats(episode):
@@ -514,7 +541,8 @@ class Trainer:
         elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
             self.counters.policy_steps = loaded_steps
         self.recent_episodes = []
-        self.collector = Collector(train_envs, self.replay, self.traindir, self.on_episode) if train_envs else None
+        self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
+                          if train_envs else None)
         self.metrics = {}
         self.last_log = (time.time(), self.frames, self.counters.updates)
 
@@ -613,6 +641,7 @@ class Trainer:
         self.logger.scalar("train/episodes", counters.episodes)
         if self.collector is not None:
             self.logger.scalar("train/dropped_episodes", self.collector.dropped)
+            self.log_env_status()
         for key, value in envs.episode_metrics(config.task, self.recent_episodes).items():
             self.logger.scalar(f"train/{key}", value)
         self.recent_episodes.clear()
@@ -623,6 +652,17 @@ class Trainer:
         self.progress.update(frames, fps=fps, updates_per_s=updates_per_s)
         self.progress.log(frames)
         self.last_log = (now, frames, counters.updates)
+
+    def log_env_status(self):
+        """What each environment is doing: scalars env/<i>/..., and a line per environment when
+        the progress goes to a log file."""
+        for i, row in enumerate(self.collector.status()):
+            for key, value in row.items():
+                if np.isfinite(value):
+                    self.logger.scalar(f"env/{i}/{key}", value)
+            if not self.progress.interactive:
+                print(f"  env {i}: steps {row['steps']} episodes {row['episodes']} "
+                      f"last return {row['last_return']:.1f} fps {row['fps']:.1f}", flush=True)
 
     def evaluate(self):
         config = self.config

@@ -56,6 +56,12 @@ def frozen(*modules):
             p.requires_grad_(True)
 
 
+def profiled(name):
+    """Label a phase of the update for torch.profiler (benchmarks/train_speed.py); nearly free
+    when no profiler runs."""
+    return torch.profiler.record_function(name)
+
+
 def autocast(config):
     """bfloat16 autocast on CPU, float16 on CUDA, when precision is 16."""
     if config.precision == 32:
@@ -131,9 +137,9 @@ class WorldModel(nn.Module):
 
     def train_step(self, data):
         """One world-model update; returns the detached posterior and embedding (B, T, ...)."""
-        with autocast(self.config):
+        with profiled("world_model"), autocast(self.config):
             loss, post, embed, metrics = self.loss(data)
-        metrics.update(self.optimizer(loss))
+            metrics.update(self.optimizer(loss))
         return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
 
     @torch.no_grad()
@@ -227,22 +233,26 @@ class ActorCritic(nn.Module):
     def imagine(self, start):
         """Roll the policy out for imag_horizon steps from every start state (N, ...).
 
-        Returns feat (H+1, N, F), state dict (H+1, N, ...) and action (H+1, N, A); the action at
-        the last state is sampled too but never executed.
+        Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the actor's raw
+        outputs (H+1, N, D), kept so that the actor loss need not run the actor again.
+        The action at the last state is sampled too but never executed.
         """
         rssm = self.wm[0].rssm
         state = start
-        feats, states, actions = [], [], []
+        feats, states, actions, outs = [], [], [], []
         for t in range(self.config.imag_horizon + 1):
             feat = rssm.get_feat(state)
-            action = self.actor(feat.detach()).sample()
+            out = self.actor.raw(feat.detach())
+            action = self.actor.dist(out).sample()
             feats.append(feat)
             states.append(state)
             actions.append(action)
+            outs.append(out)
             if t < self.config.imag_horizon:
                 state = rssm.img_step(state, action)
         stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
-        return stack(feats), {k: stack([s[k] for s in states]) for k in states[0]}, stack(actions)
+        states = {k: stack([s[k] for s in states]) for k in states[0]}
+        return stack(feats), states, stack(actions), stack(outs)
 
     def train_step(self, start, start_cont):
         """One actor and one critic update from posterior states start (N, ...) with their
@@ -250,30 +260,40 @@ class ActorCritic(nn.Module):
         config = self.config
         wm = self.wm[0]
         with frozen(wm, self.critic), autocast(config):
-            feat, state, action = self.imagine(start)
-            reward = self.reward_fn(feat, state, action)  # (H+1, N)
-            cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
-            # The weight discounts losses of states that the model believes lie past an episode end.
-            weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
-            value = self.critic(feat[1:]).mean()  # the dynamics gradient flows through the values
-            returns = lambda_return(reward[1:], cont[1:], value, config.discount, config.discount_lambda)
-            actor_loss, metrics = self.actor_loss(feat, action, returns, weight)
-        metrics.update(self.actor_opt(actor_loss))
-        with autocast(config):
+            with profiled("imagination"):
+                feat, state, action, policy_out = self.imagine(start)
+                # Rewards of the states reached, steps 1..H: (H, N).
+                reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                with torch.no_grad():  # the continue flags carry no gradient (Bernoulli mode)
+                    cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
+                # The weight discounts losses of states the model believes lie past an episode end.
+                weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
+                value = self.critic(feat).mean()  # (H+1, N); the dynamics gradient flows through it
+                returns = lambda_return(reward, cont[1:], value[1:], config.discount, config.discount_lambda)
+            with profiled("actor"):  # includes the backward pass through the imagined trajectories
+                policy = self.actor.dist(policy_out[:-1])
+                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())
+                metrics.update(self.actor_opt(actor_loss))
+        with profiled("critic"), autocast(config):
             critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight)
-        metrics.update(critic_metrics)
-        metrics.update(self.critic_opt(critic_loss))
+            metrics.update(critic_metrics)
+            metrics.update(self.critic_opt(critic_loss))
         self.update_slow_critic()
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
         return {self.prefix + k: v for k, v in metrics.items()}
 
-    def actor_loss(self, feat, action, returns, weight):
-        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1."""
+    def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
+        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
+
+        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given.
+        """
         config = self.config
-        policy = self.actor(feat[:-1].detach())
-        with torch.no_grad():
-            base = self.critic(feat[:-1].detach()).mean()
+        if policy is None:
+            policy = self.actor(feat[:-1].detach())
+        if base is None:
+            with torch.no_grad():
+                base = self.critic(feat[:-1].detach()).mean()
         if self.return_norm is not None:
             offset, scale = self.return_norm(returns)
         else:

@@ -2,6 +2,7 @@
 
 import math
 import re
+import warnings
 
 import numpy as np
 import torch
@@ -10,6 +11,29 @@ from torch import nn
 import tools
 
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
+
+
+class Compiled:
+    """torch.compile(fn) that falls back to eager, with one warning, where compilation fails
+    (no C++ compiler, an unsupported platform). A genuine error in fn re-raises from the eager call."""
+
+    def __init__(self, fn, name):
+        self.eager, self.name = fn, name
+        self.compiled = torch.compile(fn)
+        self.failed = False
+        self.calls = 0  # calls that ran the compiled code
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                result = self.compiled(*args, **kwargs)
+                self.calls += 1
+                return result
+            except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
+                warnings.warn(f"torch.compile of {self.name} failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "running it eagerly", stacklevel=2)
+                self.failed = True
+        return self.eager(*args, **kwargs)
 
 
 def init_(module, scale=1.0):
@@ -93,19 +117,21 @@ class Actor(nn.Module):
 
     def __init__(self, inp, actions, config, act, norm):
         super().__init__()
-        self.dist = config.dist
-        if self.dist not in ("normal", "onehot"):
-            raise ValueError(f"Unknown actor dist '{self.dist}'; valid: normal, onehot")
+        self.kind = config.dist
+        if self.kind not in ("normal", "onehot"):
+            raise ValueError(f"Unknown actor dist '{self.kind}'; valid: normal, onehot")
         self.mlp = MLP(inp, config.layers, config.units, act, norm)
-        learned = self.dist == "normal" and config.std == "learned"
+        learned = self.kind == "normal" and config.std == "learned"
         self.out = init_(nn.Linear(self.mlp.outdim, actions * (2 if learned else 1)), config.outscale)
         self.learned_std = learned
         self.std, self.min_std, self.max_std = config.std, config.min_std, config.max_std
         self.unimix = config.unimix_ratio
 
-    def forward(self, feat):
-        x = self.out(self.mlp(feat))
-        if self.dist == "onehot":
+    def raw(self, feat):  # (..., F) -> (..., D): the parameters of the distribution, unconstrained
+        return self.out(self.mlp(feat))
+
+    def dist(self, x):
+        if self.kind == "onehot":
             return tools.OneHot(x, self.unimix)
         if self.learned_std:
             mean, std = x.chunk(2, -1)
@@ -113,6 +139,9 @@ class Actor(nn.Module):
         else:
             mean, std = x, torch.full_like(x, float(self.std))
         return tools.Normal(torch.tanh(mean), std)
+
+    def forward(self, feat):
+        return self.dist(self.raw(feat))
 
 
 class ChannelNorm(nn.LayerNorm):
@@ -240,10 +269,11 @@ class MultiDecoder(nn.Module):
             channels = sum(s[-1] for s in self.cnn_shapes.values())
             self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
                                    config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
-        self.mlp = nn.ModuleDict({
-            k: Head(feat_size, s, config.mlp_layers, config.mlp_units, config.act, config.norm,
-                    config.vector_dist, config.outscale)
-            for k, s in self.mlp_shapes.items()})
+        if self.mlp_shapes:  # one MLP for all vector keys, its output split between them
+            self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
+            self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
+            self.mlp_out = init_(nn.Linear(self.mlp.outdim, sum(self.sizes)), config.outscale)
+            self.vector_dist = tools.SymlogMSE if config.vector_dist == "symlog_mse" else tools.MSE
 
     def forward(self, feat):  # (B, T, F) -> {key: dist over (B, T, ...)}
         dists = {}
@@ -252,8 +282,10 @@ class MultiDecoder(nn.Module):
             splits = [s[-1] for s in self.cnn_shapes.values()]
             for key, part in zip(self.cnn_shapes, image.split(splits, -1)):
                 dists[key] = tools.MSE(part, dims=3)
-        for key, head in self.mlp.items():
-            dists[key] = head(feat)
+        if self.mlp_shapes:
+            out = self.mlp_out(self.mlp(feat))
+            for (key, shape), part in zip(self.mlp_shapes.items(), out.split(self.sizes, -1)):
+                dists[key] = self.vector_dist(part.reshape(*feat.shape[:-1], *shape), dims=len(shape))
         return dists
 
 
@@ -346,6 +378,11 @@ class RSSM(nn.Module):
 
     def img_step(self, state, action, sample=True):
         """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1})."""
+        return self._prior(state, action, sample)
+
+    def _prior(self, state, action, sample=True):
+        # The body of img_step; obs_step calls it directly so that a compiled obs_step never nests
+        # a call to a separately compiled img_step.
         stoch = state["stoch"]
         if self.discrete:
             stoch = stoch.reshape(*stoch.shape[:-2], self.stoch * self.discrete)
@@ -364,7 +401,7 @@ class RSSM(nn.Module):
         state = {k: v * keep.reshape(-1, *[1] * (v.dim() - 1)) + init[k] * (1 - keep).reshape(-1, *[1] * (v.dim() - 1))
                  for k, v in state.items()}
         action = action * keep
-        prior = self.img_step(state, action, sample)
+        prior = self._prior(state, action, sample)
         stats = self._stats(self.obs_stats(self.obs_out(torch.cat([prior["deter"], embed], -1))))
         dist = self.dist(stats)
         post = {"deter": prior["deter"], "stoch": dist.sample() if sample else dist.mode(), **stats}

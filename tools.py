@@ -153,8 +153,10 @@ class OneHot:
         return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
     def sample(self):
-        index = torch.multinomial(self.probs.reshape(-1, self.probs.shape[-1]).float(), 1)
-        index = index.reshape(self.probs.shape[:-1])
+        # Inverse-CDF sampling: one uniform per categorical, much faster than torch.multinomial.
+        cdf = self.probs.detach().float().cumsum(-1)
+        uniform = torch.rand(*cdf.shape[:-1], 1, device=cdf.device)
+        index = (cdf < uniform * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
         onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
         return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 

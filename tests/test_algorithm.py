@@ -716,13 +716,13 @@ def capture_actor_loss(ac, wm):
     seen = {}
     original = ac.actor_loss
 
-    def wrapper(feat, action, returns, weight):
+    def wrapper(feat, action, returns, weight, *args):
         with torch.no_grad():
             seen.update(feat=feat.detach().clone(), returns=returns.detach().clone(), weight=weight.clone(),
                         value=ac.critic(feat[1:]).mean().clone(),
                         cont=wm.heads["cont"](feat[1:]).mode()[..., 0].clone(),
                         reward=ac.reward_fn(feat, None, action).clone())
-        return original(feat, action, returns, weight)
+        return original(feat, action, returns, weight, *args)
 
     ac.actor_loss = wrapper
     return seen

@@ -48,7 +48,8 @@ def test_debug_run_writes_tensorboard_scalars_and_videos(run):
     for name in ("train/return", "train/length", "eval/return", "world_model/model_loss", "world_model/kl_loss",
                  "world_model/image_loss", "world_model/reward_loss", "world_model/cont_loss",
                  "world_model/model_grad_norm", "actor/actor_loss", "actor/actor_entropy", "actor/actor_grad_norm",
-                 "critic/critic_loss", "critic/critic_grad_norm", "perf/fps", "perf/updates"):
+                 "critic/critic_loss", "critic/critic_grad_norm", "perf/fps", "perf/updates", "env/0/steps",
+                 "env/0/episodes", "env/0/last_return", "env/0/fps"):
         assert name in tags["scalars"], name
     # SummaryWriter.add_video stores each video as an animated image summary.
     for name in ("eval/policy", "train/openl", "eval/openl"):
