@@ -1,7 +1,9 @@
 """Exploration behaviours: uniform random actions and Plan2Explore (Sekar et al., 2020).
 
 A behaviour offers `actor(feat) -> distribution` for acting and `train_step(start, start_cont,
-post, embed, data) -> metrics` for learning. The task actor-critic (greedy) lives in models.py.
+post, embed, data) -> metrics` for learning. The task actor-critic (greedy) lives in models.py;
+it keeps learning the extrinsic reward whichever behaviour collects the data, and it is the one
+that is evaluated.
 """
 
 import torch
@@ -13,42 +15,47 @@ import tools
 
 
 class Random(nn.Module):
-    """Uniform random actions over the action space; learns nothing."""
+    """Uniform random actions over the action space (the box [-1, 1]^A or one of A one-hot
+    actions); learns nothing."""
 
     def __init__(self, config, act_space):
         super().__init__()
         self.discrete = config.actor.dist == "onehot"
         self.size = act_space.shape[0]
 
-    def actor(self, feat):  # (..., F) -> distribution over (..., A)
+    def actor(self, feat):  # (..., F) -> distribution over (..., A); only feat's shape is used
         shape = (*feat.shape[:-1], self.size)
         if self.discrete:
             return tools.OneHot(torch.zeros(shape, device=feat.device))
-        low, high = -torch.ones(shape, device=feat.device), torch.ones(shape, device=feat.device)
-        return torch.distributions.Independent(torch.distributions.Uniform(low, high), 1)
+        low = torch.full(shape, -1.0, device=feat.device)
+        return torch.distributions.Independent(torch.distributions.Uniform(low, -low), 1)
 
     def train_step(self, start, start_cont, post, embed, data):
         return {}
 
 
 class Ensemble(nn.Module):
-    """`models` MLPs evaluated in one batched matmul per layer; linear outputs fit unbounded targets."""
+    """`count` MLPs of `layers` hidden layers evaluated in one batched matmul per layer.
 
-    def __init__(self, models_, inp, out, layers, units, act):
+    The output layer is linear, so that the members can fit unbounded targets (deter, embed).
+    There is no normalisation layer: members should differ only by their initialisation and
+    stay free to extrapolate differently away from the training data, which is what makes their
+    disagreement a measure of novelty.
+    """
+
+    def __init__(self, count, inp, out, layers, units, act):
         super().__init__()
         sizes = [inp] + [units] * layers + [out]
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
         for i, o in zip(sizes[:-1], sizes[1:]):
-            weight = torch.empty(models_, i, o)
-            for m in range(models_):  # each member gets its own fan-average initialisation
-                layer = networks.init_(nn.Linear(i, o))
-                weight[m] = layer.weight.detach().T
-            self.weights.append(nn.Parameter(weight))
-            self.biases.append(nn.Parameter(torch.zeros(models_, 1, o)))
+            # Each member gets its own draw of the usual fan-average initialisation.
+            weight = torch.stack([networks.init_(nn.Linear(i, o)).weight.detach().T for _ in range(count)])
+            self.weights.append(nn.Parameter(weight))  # (count, i, o)
+            self.biases.append(nn.Parameter(torch.zeros(count, 1, o)))
         self.act = networks.ACTIVATIONS[act]()
 
-    def forward(self, x):  # (N, inp) -> (models, N, out)
+    def forward(self, x):  # (N, inp) -> (count, N, out)
         x = x.unsqueeze(0).expand(len(self.weights[0]), -1, -1)
         for i, (weight, bias) in enumerate(zip(self.weights, self.biases)):
             x = torch.baddbmm(bias, x, weight)
@@ -60,24 +67,29 @@ class Ensemble(nn.Module):
 class Plan2Explore(nn.Module):
     """Ensemble disagreement as intrinsic reward, optimised by its own actor-critic in imagination.
 
-    Each member predicts `disag_target` (stoch, deter, embed or feat) `disag_offset` steps ahead from
-    the model feature (and the action when `disag_action_cond`). The reward is the variance across
-    members averaged over target dimensions (its log when `disag_log`), times `expl_intr_scale`,
-    plus `expl_extr_scale` times the world model's reward prediction.
+    Each ensemble member predicts `disag_target` of step t + `disag_offset` from the model feature
+    of step t (and, with `disag_action_cond`, the action taken at step t). The intrinsic reward of
+    a state is the variance of the members' predictions, averaged over target dimensions (Eq. 5 of
+    the paper), or its log with `disag_log`. The exploration actor-critic maximises
+    expl_intr_scale * intrinsic + expl_extr_scale * predicted extrinsic reward.
     """
 
     TARGETS = ("stoch", "deter", "embed", "feat")
+    LOG_EPS = 1e-8  # floor inside log(variance): members that agree exactly give a finite reward
 
     def __init__(self, config, world_model, act_space):
         super().__init__()
         self.config = config
-        self.wm = [world_model]
+        self.wm = [world_model]  # a list keeps the world model out of this module's parameters
         if config.disag_target not in self.TARGETS:
             raise ValueError(f"Unknown disag_target '{config.disag_target}'; valid: {', '.join(self.TARGETS)}")
+        if config.disag_models < 2:
+            raise ValueError(f"Invalid disag_models {config.disag_models}: disagreement needs at least 2 members")
+        if not 0 <= config.disag_offset < config.batch_length:
+            raise ValueError(f"Invalid disag_offset {config.disag_offset}: must lie in [0, batch_length)")
         rssm = world_model.rssm
         stoch = rssm.stoch * rssm.discrete if rssm.discrete else rssm.stoch
-        sizes = {"stoch": stoch, "deter": rssm.deter, "embed": world_model.encoder.outdim,
-                 "feat": rssm.feat_size}
+        sizes = {"stoch": stoch, "deter": rssm.deter, "embed": world_model.encoder.outdim, "feat": rssm.feat_size}
         self.target_size = sizes[config.disag_target]
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
@@ -85,49 +97,73 @@ class Plan2Explore(nn.Module):
         self.optimizer = models.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
                                           config.opt_eps, config.grad_clip, opt=config.opt)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
-        self.actor = self.behavior.actor
+        self.reward_stats = {}
+
+    def actor(self, feat):
+        return self.behavior.actor(feat)
 
     def inputs(self, feat, action):
         return torch.cat([feat, action], -1) if self.config.disag_action_cond else feat
 
-    def target(self, post, embed):
-        feat = self.wm[0].rssm.get_feat(post)
-        if self.config.disag_target == "embed":
+    def target(self, post, embed):  # -> (B, T, target_size)
+        name = self.config.disag_target
+        if name == "embed":
             return embed
-        if self.config.disag_target == "feat":
-            return feat
-        if self.config.disag_target == "deter":
+        if name == "deter":
             return post["deter"]
-        return feat[..., :self.target_size]  # the stochastic part comes first in the feature
+        feat = self.wm[0].rssm.get_feat(post)
+        return feat if name == "feat" else feat[..., :self.target_size]  # get_feat puts stoch first
 
     def disagreement(self, inputs):  # (..., inp) -> (...)
+        """Variance across members (unbiased, 1/(K-1) as in the paper), averaged over dimensions.
+
+        Computed in float32 outside autocast: the variance of nearly equal predictions is lost
+        in 16-bit precision.
+        """
         lead = inputs.shape[:-1]
-        preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]))  # (M, N, D)
+        with torch.autocast(inputs.device.type, enabled=False):
+            preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]).float())  # (K, N, D)
         return preds.var(0).mean(-1).reshape(lead)
 
     def intrinsic_reward(self, feat, state, action):  # (H+1, N, ...) -> (H+1, N)
+        """Reward of the exploration actor-critic for imagined states; action[t] is the action
+        taken at feat[t], as in the ensemble's training pairs."""
         config = self.config
         disag = self.disagreement(self.inputs(feat, action))
         if config.disag_log:
-            disag = torch.log(disag)
-        reward = config.expl_intr_scale * disag
-        if config.expl_extr_scale:
-            reward = reward + config.expl_extr_scale * self.wm[0].heads["reward"](feat).mean()
-        return reward
+            disag = torch.log(disag + self.LOG_EPS)
+        intr = config.expl_intr_scale * disag
+        stats = intr.detach()
+        self.reward_stats = {"expl_intr_reward_mean": stats.mean(), "expl_intr_reward_std": stats.std(),
+                             "expl_intr_reward_max": stats.max()}
+        if not config.expl_extr_scale:
+            return intr
+        return intr + config.expl_extr_scale * self.wm[0].heads["reward"](feat).mean()
 
-    def ensemble_loss(self, post, embed, action):
-        """Every member regresses the target `disag_offset` steps ahead (B, T - offset, D)."""
+    def ensemble_loss(self, post, embed, action, is_first):
+        """Mean squared error of every member on the pairs (input at t, target at t + offset).
+
+        Replayed sequences (B, T) may cross episode boundaries; pairs that straddle one are not
+        transitions of the environment and are left out. In the replay, action[t + 1] is the
+        action taken after observing step t, so action conditioning needs step t + 1 too.
+        """
         offset = self.config.disag_offset
+        span = max(offset, 1) if self.config.disag_action_cond else offset
+        length = post["deter"].shape[1] - span
         feat = self.wm[0].rssm.get_feat(post).detach()
-        # The replayed action at t+1 is the one taken after observing step t.
-        next_action = torch.cat([action[:, 1:], torch.zeros_like(action[:, :1])], 1)
-        inputs = self.inputs(feat, next_action)[:, :-offset]
-        target = self.target(post, embed).detach()[:, offset:]
-        preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]))  # (M, N, D)
-        return ((preds - target.reshape(1, -1, target.shape[-1])) ** 2).mean()
+        inputs = self.inputs(feat[:, :length], action[:, 1:1 + length])
+        target = self.target(post, embed).detach()[:, offset:offset + length]
+        resets = torch.cumsum(is_first, 1)
+        valid = (resets[:, span:span + length] == resets[:, :length]).float()  # no reset in (t, t + span]
+        preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]))  # (K, B * length, D)
+        error = ((preds - target.reshape(1, -1, self.target_size)) ** 2).mean((0, 2))
+        return (error * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
 
     def train_step(self, start, start_cont, post, embed, data):
-        loss = self.ensemble_loss(post, embed, data["action"])
+        loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
-        metrics.update(self.behavior.train_step(start, start_cont))
+        # The actor's dynamics gradient flows through the ensemble; its weights need no gradient.
+        with models.frozen(self.ensemble):
+            metrics.update(self.behavior.train_step(start, start_cont))
+        metrics.update(self.reward_stats)
         return metrics

@@ -224,9 +224,9 @@ class ActorCritic(nn.Module):
         if config.imag_gradient not in ("dynamics", "reinforce", "both"):
             raise ValueError(f"Unknown imag_gradient '{config.imag_gradient}'; valid: dynamics, reinforce, both")
         scaler = use_scaler(config)
-        self.actor_opt = Optimizer(prefix + "actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
+        self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
                                    config.actor.grad_clip, opt=config.opt, use_scaler=scaler)
-        self.critic_opt = Optimizer(prefix + "critic", self.critic.parameters(), config.critic.lr,
+        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr,
                                     config.critic.eps, config.critic.grad_clip, opt=config.opt, use_scaler=scaler)
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
