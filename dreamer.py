@@ -782,19 +782,22 @@ def main(argv=None):
         fail(str(e))
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
-    train_envs = [] if config.offline_traindir or config.eval_only else make_envs(config, "train", config.envs)
-    eval_count = min(max(config.envs, 1), config.eval_episode_num)
-    eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
+    train_envs, eval_envs = [], []
     try:
+        if not config.offline_traindir and not config.eval_only:
+            train_envs = make_envs(config, "train", config.envs)
+        eval_count = min(max(config.envs, 1), config.eval_episode_num)
+        eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         check_spaces(config, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
+        # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
             env.close()
-        fail(str(e))
+        fail(str(e).strip().splitlines()[-1])
     try:
         if config.eval_only:
             return evaluate_checkpoint(config, agent, logdir, eval_envs)

@@ -98,6 +98,8 @@ def test_choice_keys_list_valid_values():
     (["--configs", "debug", "--task", "dcm_walker_walk"], "Unknown suite in task 'dcm_walker_walk'"),
     (["--configs", "debug", "--task", "dmc_walker_wlak"], "closest valid: dmc_walker_walk"),
     (["--configs", "debug", "--device", "tpu:0"], "Invalid value 'tpu:0' for --device"),
+    (["--configs", "minecraft", "debug", "--task", "minecraft_diamond"], "Minecraft tasks need MineRL"),
+    (["--configs", "debug", "--task", "atari_pong"], "has discrete actions; use --actor.dist onehot"),
 ])
 def test_cli_errors_exit_2_with_one_line_and_create_nothing(tmp_path, args, message):
     logdir = tmp_path / "run"
