@@ -102,8 +102,7 @@ class Atari:
 
     @property
     def obs_space(self):
-        shape = self.size + (1 if self.grayscale else 3,)
-        return {"image": gymnasium.spaces.Box(0, 255, shape, dtype=np.uint8), **wrappers.flag_spaces()}
+        return wrappers.image_obs_space(self.size, self.grayscale)
 
     @property
     def act_space(self):

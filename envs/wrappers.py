@@ -95,6 +95,12 @@ def flag_spaces():
     return {k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")}
 
 
+def image_obs_space(size, grayscale=False):
+    """Spaces of an environment that observes one uint8 image: (H, W, 1 or 3) plus the flags."""
+    shape = tuple(size) + (1 if grayscale else 3,)
+    return {"image": gymnasium.spaces.Box(0, 255, shape, dtype=np.uint8), **flag_spaces()}
+
+
 def wrap(env, config):
     """The wrappers every suite applies: actions in [-1, 1] or one-hot, and the time limit.
 
