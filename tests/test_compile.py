@@ -74,3 +74,19 @@ def test_compile_falls_back_to_eager_where_compilation_fails(monkeypatch):
     with pytest.warns(UserWarning, match="torch.compile of add_one failed"):
         assert compiled(1) == 2
     assert compiled.failed and compiled(2) == 3
+
+
+def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
+    import models
+
+    config = dreamer.parse(["--configs", "debug", "--precision", "16"])
+    with models.autocast(config):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert not models.use_scaler(config)
+    assert models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
+    assert not models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
+    agent, batch = make_agent_and_batch(False)
+    agent.config.precision = 16
+    metrics = agent.train_step(batch)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
