@@ -411,6 +411,7 @@ def seed_everything(seed, deterministic):
     np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses otherwise
         torch.use_deterministic_algorithms(True)
 
 
@@ -524,8 +525,8 @@ class Trainer:
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs):
         self.config, self.agent, self.logdir = config, agent, logdir
-        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps")
-        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps")
+        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
+        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.checkpoint = logdir / "latest.pt"
         self.counters = Counters()
@@ -533,7 +534,8 @@ class Trainer:
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
         self.replay, loaded_steps = self.load_replay()
         self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
-        for episode in tools.load_episodes(config.offline_evaldir or self.evaldir, 100 * config.batch_length):
+        evaldir = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
+        for episode in tools.load_episodes(evaldir, 100 * config.batch_length):
             self.eval_replay.add_episode(strip_logs(episode))
         self.resumed = self.checkpoint.exists()
         if self.resumed:
@@ -553,7 +555,7 @@ class Trainer:
     def load_replay(self):
         config = self.config
         replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
-        source = pathlib.Path(config.offline_traindir) if config.offline_traindir else self.traindir
+        source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
         for i, episode in enumerate(tools.load_episodes(source, config.dataset_size)):
             replay.add_episode(strip_logs(episode), i % len(replay.streams))

@@ -138,7 +138,7 @@ class Actor(nn.Module):
             std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
         else:
             mean, std = x, torch.full_like(x, float(self.std))
-        return tools.Normal(torch.tanh(mean), std)
+        return tools.Normal(torch.tanh(mean), std, absmax=1.0)
 
     def forward(self, feat):
         return self.dist(self.raw(feat))
@@ -167,7 +167,7 @@ class ConvEncoder(nn.Module):
         layers, inp = [], channels
         for i in range(conv_stages(height, minres)):
             out = depth * 2 ** i
-            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=kernel_size // 2 - 1, bias=not norm))
+            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=(kernel_size - 1) // 2, bias=not norm))
             if norm:
                 layers.append(ChannelNorm(out, eps=1e-3))
             layers.append(ACTIVATIONS[act]())
@@ -194,7 +194,8 @@ class ConvDecoder(nn.Module):
         for i in range(stages):
             last = i == stages - 1
             out = channels if last else ch // 2
-            conv = nn.ConvTranspose2d(ch, out, kernel_size, 2, padding=kernel_size // 2 - 1, bias=last or not norm)
+            conv = nn.ConvTranspose2d(ch, out, kernel_size, 2, padding=(kernel_size - 1) // 2,
+                                      output_padding=kernel_size % 2, bias=last or not norm)
             layers.append(init_(conv, outscale if last else 1.0))
             if not last:
                 if norm:

@@ -168,17 +168,25 @@ class OneHot:
 
 
 class Normal:
-    """Diagonal Gaussian over the last dim (continuous actions, continuous latents)."""
+    """Diagonal Gaussian over the last dim (continuous actions, continuous latents).
 
-    def __init__(self, mean, std):
+    With `absmax`, samples are scaled back into [-absmax, absmax] with a straight-through
+    gradient, so that the actions the world model imagines are the ones the environment executes.
+    """
+
+    def __init__(self, mean, std, absmax=None):
         self.dist = torch.distributions.Normal(mean, std)
         self.mean_ = mean
+        self.absmax = absmax
 
     def mode(self):
         return self.mean_
 
     def sample(self):
-        return self.dist.rsample()
+        sample = self.dist.rsample()
+        if self.absmax is not None:
+            sample = sample * (self.absmax / sample.abs().clamp(min=self.absmax)).detach()
+        return sample
 
     def log_prob(self, value):
         return self.dist.log_prob(value).sum(-1)

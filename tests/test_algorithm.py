@@ -763,3 +763,17 @@ def test_actor_gradient_reaches_the_bootstrap_value(mode):
     perturb(ac.slow_critic, 38)
     metrics = ac.train_step(start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6
+
+
+def test_actor_samples_stay_in_the_action_box_with_straight_through_gradient():
+    """Actions beyond [-1, 1] would be clipped by the environment but not by the world model's
+    imagination; the actor scales them back into the box, keeping the reparameterised gradient."""
+    mean = torch.zeros(20000, 3, requires_grad=True)
+    dist = tools.Normal(mean, torch.full((20000, 3), 2.0), absmax=1.0)
+    sample = dist.sample()
+    assert sample.abs().max() <= 1.0 + 1e-6
+    assert (sample.abs() > 0.999).float().mean() > 0.5  # std 2: most samples were outside the box
+    sample.sum().backward()
+    assert mean.grad.abs().sum() > 0
+    unbounded = tools.Normal(torch.zeros(20000, 3), torch.full((20000, 3), 2.0)).sample()
+    assert unbounded.abs().max() > 2.0
