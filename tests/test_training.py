@@ -74,6 +74,11 @@ def test_debug_run_writes_metrics_episodes_and_checkpoint(run):
     assert {"agent", "optimizers", "counters", "schedules", "rng"} <= set(state)
     assert not list(logdir.glob(".*.tmp"))
     assert "Run: new" in result.stdout and "frames 400/400" in result.stdout
+    # The start-up summary names the changed keys and counts parameters per module.
+    assert "Changed from defaults:" in result.stdout and "steps=400" in result.stdout
+    assert "task=dmc_cartpole_balance" in result.stdout and "Device: cpu" in result.stdout
+    params = result.stdout.split("Parameters: ")[1].splitlines()[0]
+    assert "world model" in params and "actor" in params and "critic" in params
 
 
 def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
