@@ -6,9 +6,6 @@ is an observation key `log_achievement_<name>`: recorded with the episodes, neve
 `episode_metrics` turns them into per-achievement success rates and the Crafter score.
 """
 
-import contextlib
-import io
-
 import gymnasium
 import numpy as np
 
@@ -19,15 +16,8 @@ LENGTH = 10000  # Crafter's standard episode length, in steps
 
 
 def _crafter():
-    try:
-        # crafter imports gym 0.26, which prints a notice urging an upgrade to Gymnasium; nothing
-        # here uses gym, so the notice would only mislead.
-        with contextlib.redirect_stderr(io.StringIO()):
-            import crafter
-    except ImportError as e:
-        raise ImportError("Crafter tasks need the crafter package: pip install crafter==1.8.3 "
-                          "(or pip install -r requirements.txt)") from e
-    return crafter
+    return wrappers.import_quietly(["crafter"], "Crafter tasks need the crafter package: pip install crafter==1.8.3 "
+                                   "(or pip install -r requirements.txt)")[0]
 
 
 def check(name):

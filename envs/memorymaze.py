@@ -10,8 +10,6 @@ on top of the package's own; set it to 0 to keep the standard lengths for the la
 Rendering goes through MuJoCo; MUJOCO_GL defaults to egl (headless) unless the user set it.
 """
 
-import contextlib
-import io
 import os
 
 import gymnasium
@@ -25,15 +23,9 @@ LENGTHS = {"9x9": 1000, "11x11": 2000, "13x13": 3000, "15x15": 4000}
 
 def _gym():
     os.environ.setdefault("MUJOCO_GL", "egl")  # before MuJoCo is imported; a value the user set wins
-    try:
-        # memory-maze registers its environments with gym 0.26, whose import prints a notice urging an
-        # upgrade to Gymnasium; the package needs gym, so the notice would only mislead.
-        with contextlib.redirect_stderr(io.StringIO()):
-            import gym
-            import memory_maze  # noqa: F401 - registers the MemoryMaze-* environments with gym
-    except ImportError as e:
-        raise ImportError("Memory Maze tasks need memory-maze and gym: pip install memory-maze==1.0.3 gym==0.26.2 "
-                          "(or pip install -r requirements.txt)") from e
+    # memory_maze registers its MemoryMaze-* environments with gym on import.
+    gym, _ = wrappers.import_quietly(["gym", "memory_maze"], "Memory Maze tasks need memory-maze and gym: "
+                                     "pip install memory-maze==1.0.3 gym==0.26.2 (or pip install -r requirements.txt)")
     return gym
 
 

@@ -1,7 +1,21 @@
-"""Wrappers shared by the suites: action normalisation, one-hot actions, time limit."""
+"""Shared by the suites: action normalisation, one-hot actions, time limit, spaces, quiet imports."""
+
+import contextlib
+import importlib
+import io
 
 import gymnasium
 import numpy as np
+
+
+def import_quietly(names, install_hint):
+    """Import optional packages that import gym 0.26, whose import prints a notice urging an upgrade
+    to Gymnasium that would only mislead here; a missing package raises ImportError(install_hint)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return [importlib.import_module(name) for name in names]
+    except ImportError as e:
+        raise ImportError(install_hint) from e
 
 
 class Wrapper:
