@@ -18,7 +18,9 @@ Random exploration has no learned policy, so its run skips the (useless) model t
 time; its data would be the same either way. The runs go in parallel, one thread each; the
 default command took 5-6 minutes on 2 busy CPU cores.
 
-Measured (seed 0, then the same command with --seeds 1), cov = fraction of occupied cells:
+Measured (seed 0, then the same command with --seeds 1), cov = fraction of occupied cells, on
+2026-11-30 before the actor's samples were kept inside the action box (the actors then drifted
+to pushing at one end of the rail, which the numbers below show; rerun after that fix):
 
     behaviour     cov(x,th)      cov(th,thd)    max cos th
     plan2explore  0.180, 0.165   0.330, 0.290   0.56, 0.21
