@@ -543,6 +543,7 @@ class Trainer:
         elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
             self.counters.policy_steps = loaded_steps
         self.recent_episodes = []
+        self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
                           if train_envs else None)
         self.metrics = {}
@@ -584,8 +585,8 @@ class Trainer:
         return self.agent.policy(obs, state, "explore" if explore else "train")
 
     def random_policy(self, obs, state):
-        behavior = exploration.Random(self.config, (self.train_envs or self.eval_envs)[0].act_space)
-        return behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
+        """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
+        return self.prefill_behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
 
     def update(self, count):
         config = self.config
