@@ -8,6 +8,7 @@ evaluation, then `main`, the training loop itself. Rerunning the same command re
 
 import argparse
 import copy
+import ctypes
 import datetime
 import difflib
 import functools
@@ -230,6 +231,13 @@ class Dreamer(nn.Module):
     def compile_steps(self):
         """Compile the functions that do the work of every update and every policy step: the RSSM
         transitions (run once per time step) and the MLP/CNN bodies of every network."""
+        # The critic's graph is backpropagated twice (by the actor's loss, then by its own), which
+        # compiled backward functions allow only without donated buffers.
+        torch._functorch.config.donated_buffer = False
+        # One MLP.forward serves every MLP, each seen with and without gradients and with its own
+        # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
+        # (past which the rest would silently run eagerly).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         rssm = self.wm.rssm
         rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
         rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
@@ -413,6 +421,22 @@ def seed_everything(seed, deterministic):
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses otherwise
         torch.use_deterministic_algorithms(True)
+
+
+def keep_freed_memory():
+    """Have glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default glibc serves every block over 32 MB with a fresh mmap and unmaps it when freed, so
+    each of the update's large activations (a 1024-image batch through the CNN makes hundreds of
+    them) is paid again in page faults: 25-40% of a CPU update in benchmarks/train_speed.py.
+    Returns whether the setting took effect (False off glibc, e.g. on macOS).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def make_envs(config, mode, count):
@@ -785,6 +809,7 @@ def main(argv=None):
         fail(str(e))
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
+    keep_freed_memory()
     train_envs, eval_envs = [], []
     try:
         if not config.offline_traindir and not config.eval_only:

@@ -25,9 +25,11 @@ class Optimizer:
         self.opt = cls(self.params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
 
-    def __call__(self, loss):
+    def __call__(self, loss, retain_graph=False):
+        """Backpropagate `loss` into this optimizer's parameters only (no gradient is computed for
+        any other module the loss depends on), clip and step."""
         self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(loss).backward(inputs=self.params, retain_graph=retain_graph)
         self.scaler.unscale_(self.opt)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
         self.scaler.step(self.opt)
@@ -259,7 +261,7 @@ class ActorCritic(nn.Module):
         continue flags start_cont (N,)."""
         config = self.config
         wm = self.wm[0]
-        with frozen(wm, self.critic), autocast(config):
+        with frozen(wm), autocast(config):
             with profiled("imagination"):
                 feat, state, action, policy_out = self.imagine(start)
                 # Rewards of the states reached, steps 1..H: (H, N).
@@ -268,16 +270,22 @@ class ActorCritic(nn.Module):
                     cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
                 # The weight discounts losses of states the model believes lie past an episode end.
                 weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
-                value = self.critic(feat).mean()  # (H+1, N); the dynamics gradient flows through it
+                # One critic pass serves both losses: its values bootstrap the returns (the actor's
+                # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
+                # are what the critic loss trains. Each optimizer backpropagates into its own
+                # parameters only, so neither loss leaks into the other network.
+                critic_out = self.critic.raw(feat)  # (H+1, N, bins)
+                value = self.critic.dist(critic_out).mean()  # (H+1, N)
                 returns = lambda_return(reward, cont[1:], value[1:], config.discount, config.discount_lambda)
             with profiled("actor"):  # includes the backward pass through the imagined trajectories
                 policy = self.actor.dist(policy_out[:-1])
                 actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())
-                metrics.update(self.actor_opt(actor_loss))
-        with profiled("critic"), autocast(config):
-            critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight)
-            metrics.update(critic_metrics)
-            metrics.update(self.critic_opt(critic_loss))
+                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
+            with profiled("critic"):
+                critic_dist = self.critic.dist(critic_out[:-1])
+                critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
+                metrics.update(critic_metrics)
+                metrics.update(self.critic_opt(critic_loss))
         self.update_slow_critic()
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
@@ -315,10 +323,14 @@ class ActorCritic(nn.Module):
                    "advantage": advantage.detach().mean()}
         return (weight[:-1] * loss).mean(), metrics
 
-    def critic_loss(self, feat, returns, weight):
+    def critic_loss(self, feat, returns, weight, dist=None):
         """Critic learns the λ-returns; with slow_target it is also pulled to the slow critic's
-        predictions, which stabilises learning (Section 3, Critic learning)."""
-        dist = self.critic(feat[:-1])
+        predictions, which stabilises learning (Section 3, Critic learning).
+
+        `dist`, the critic's prediction at steps 0..H-1, is computed from feat unless given.
+        """
+        if dist is None:
+            dist = self.critic(feat[:-1])
         loss = -dist.log_prob(returns)
         if self.config.critic.slow_target:
             with torch.no_grad():

@@ -95,19 +95,24 @@ class Head(nn.Module):
         if dist not in self.DISTS:
             raise ValueError(f"Unknown head dist '{dist}'; valid: {', '.join(self.DISTS)}")
         self.shape = tuple(shape)
-        self.dist = dist
+        self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
         out = bins if dist == "symlog_disc" else int(np.prod(self.shape))
         self.out = init_(nn.Linear(self.mlp.outdim, out), outscale)
 
+    def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
+        return self.out(self.mlp(x))
+
     def forward(self, x):
-        x = self.out(self.mlp(x))
-        if self.dist == "symlog_disc":
+        return self.dist(self.raw(x))
+
+    def dist(self, x):
+        if self.kind == "symlog_disc":
             return tools.TwoHot(x)
         x = x.reshape(*x.shape[:-1], *self.shape)
-        if self.dist == "binary":
+        if self.kind == "binary":
             return tools.Bernoulli(x)
-        cls = tools.SymlogMSE if self.dist == "symlog_mse" else tools.MSE
+        cls = tools.SymlogMSE if self.kind == "symlog_mse" else tools.MSE
         return cls(x, dims=len(self.shape))
 
 
@@ -395,10 +400,14 @@ class RSSM(nn.Module):
         dist = self.dist(stats)
         return {"deter": deter, "stoch": dist.sample() if sample else dist.mode(), **stats}
 
-    def obs_step(self, state, action, embed, is_first, sample=True):
-        """Posterior q(z_t | h_t, x_t) and prior; resets state and action where is_first."""
+    def obs_step(self, state, action, embed, is_first, sample=True, init=None):
+        """Posterior q(z_t | h_t, x_t) and prior; resets state and action where is_first.
+
+        `init`, the initial state of this batch, is computed unless given (observe computes it
+        once per sequence rather than once per step).
+        """
         keep = (1.0 - is_first.float())[:, None]
-        init = self.initial(len(is_first))
+        init = self.initial(len(is_first)) if init is None else init
         state = {k: v * keep.reshape(-1, *[1] * (v.dim() - 1)) + init[k] * (1 - keep).reshape(-1, *[1] * (v.dim() - 1))
                  for k, v in state.items()}
         action = action * keep
@@ -411,11 +420,11 @@ class RSSM(nn.Module):
     def observe(self, embed, action, is_first, state=None):
         """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
         as dicts of (B, T, ...)."""
-        if state is None:
-            state = self.initial(embed.shape[0])
+        init = self.initial(embed.shape[0])
+        state = dict(init) if state is None else state  # a copy: a compiled obs_step guards on aliasing
         posts, priors = [], []
         for t in range(embed.shape[1]):
-            state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t])
+            state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
             posts.append(state)
             priors.append(prior)
         stack = lambda seq: {k: torch.stack([s[k] for s in seq], 1) for k in seq[0]}  # noqa: E731

@@ -64,6 +64,8 @@ def main(argv=None):
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no_malloc_tuning", action="store_true",
+                        help="leave glibc's allocator as it is (dreamer.py tunes it), to measure what the tuning buys")
     parser.add_argument("--profile", action="store_true", help="split the time into phases (adds overhead)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -75,6 +77,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     dreamer.seed_everything(config.seed, False)
     torch.set_float32_matmul_precision("high")
+    if not args.no_malloc_tuning:
+        dreamer.keep_freed_memory()
     env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)
     start = time.perf_counter()
