@@ -243,6 +243,11 @@ class Dreamer(nn.Module):
         rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
         compiled = [rssm.img_step, rssm.obs_step]
         for name, module in self.named_modules():
+            # The critic's single forward pass is backpropagated twice, once into its input (the
+            # actor's loss) and once into its weights (its own loss). Eager autograd computes only
+            # what each pass needs; a compiled backward would compute both every time.
+            if name.split(".")[-2:-1] == ["critic"]:
+                continue
             if isinstance(module, (networks.MLP, networks.ConvEncoder, networks.ConvDecoder)):
                 module.forward = networks.Compiled(module.forward, name)
                 compiled.append(module.forward)

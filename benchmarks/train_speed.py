@@ -5,8 +5,10 @@ environment with random actions, then times `--updates` updates after `--warmup`
 
     python3 benchmarks/train_speed.py --configs dmc_proprio --task dmc_walker_walk --device cpu --updates 10
 
-Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup and
---threads. The last line printed is `updates_per_s=<number>`.
+Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup,
+--threads, --profile (phase split and top operators) and --no_malloc_tuning (leave glibc's
+allocator as it is, to measure what dreamer.keep_freed_memory buys). The last line printed is
+`updates_per_s=<number>`.
 """
 
 import argparse
@@ -57,6 +59,14 @@ def phase_times(profiler, updates):
         if event.key in totals:
             totals[event.key] = event.cpu_time_total / 1e6 / updates
     return totals
+
+
+def top_operators(profiler, count=6):
+    """The operators that take most of the time, as 'name share%' pairs."""
+    events = [e for e in profiler.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return "  ".join(f"{e.key[6:]} {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:count])
 
 
 def main(argv=None):
@@ -110,6 +120,7 @@ def main(argv=None):
             sync()
         split = phase_times(profiler, min(3, len(batches)))
         print("phase split (s/update, profiled): " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
+        print("top operators (share of self time): " + top_operators(profiler))
     print(f"updates_per_s={1 / seconds:.4f}")
     env.close()
 

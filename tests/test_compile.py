@@ -157,6 +157,10 @@ def test_compile_true_runs_compiled_code(updates):
     assert agent.wm.rssm.obs_step.calls > 0 and agent.wm.rssm.img_step.calls > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     assert not updates["eager"][0].compiled
+    names = {fn.name for fn in agent.compiled}
+    # The critic stays eager: its one forward is backpropagated twice, each time into a different part.
+    assert "task_behavior.actor.mlp" in names and "task_behavior.slow_critic.mlp" in names
+    assert "task_behavior.critic.mlp" not in names
 
 
 def test_compiled_update_matches_eager_update(updates):
