@@ -231,7 +231,7 @@ class Dreamer(nn.Module):
     def compile_steps(self):
         """Compile the functions that do the work of every update and every policy step: the RSSM
         transitions (run once per time step) and the MLP/CNN bodies of every network."""
-        # The critic's graph is backpropagated twice (by the actor's loss, then by its own), which
+        # The actor's backward pass keeps the graph (retain_graph) for the critic's loss, which
         # compiled backward functions allow only without donated buffers.
         torch._functorch.config.donated_buffer = False
         # One MLP.forward serves every MLP, each seen with and without gradients and with its own
@@ -432,8 +432,8 @@ def keep_freed_memory():
     """Have glibc keep freed memory for reuse instead of returning it to the OS.
 
     By default glibc serves every block over 32 MB with a fresh mmap and unmaps it when freed, so
-    each of the update's large activations (a 1024-image batch through the CNN makes hundreds of
-    them) is paid again in page faults: 25-40% of a CPU update in benchmarks/train_speed.py.
+    each of the update's large activations is paid again in page faults: 4-10% of a CPU update in
+    benchmarks/train_speed.py (--no_malloc_tuning), a quarter of the CNN's forward and backward.
     Returns whether the setting took effect (False off glibc, e.g. on macOS).
     """
     try:
