@@ -240,6 +240,9 @@ class ActorCritic(nn.Module):
         The action at the last state is sampled too but never executed.
         """
         rssm = self.wm[0].rssm
+        # REINFORCE needs no gradient through the imagined dynamics; cut there, the rollout records
+        # no graph beyond the actor's own outputs.
+        through_dynamics = self.config.imag_gradient != "reinforce"
         state = start
         feats, states, actions, outs = [], [], [], []
         for t in range(self.config.imag_horizon + 1):
@@ -251,7 +254,7 @@ class ActorCritic(nn.Module):
             actions.append(action)
             outs.append(out)
             if t < self.config.imag_horizon:
-                state = rssm.img_step(state, action)
+                state = rssm.img_step(state, action if through_dynamics else action.detach())
         stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
         states = {k: stack([s[k] for s in states]) for k in states[0]}
         return stack(feats), states, stack(actions), stack(outs)

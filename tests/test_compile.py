@@ -11,8 +11,8 @@ import envs
 import tools
 
 
-def make_agent_and_batch(compile_):
-    config = dreamer.parse(["--configs", "debug", "--compile", str(compile_)])
+def make_agent_and_batch(compile_, *flags):
+    config = dreamer.parse(["--configs", "debug", "--compile", str(compile_), *flags])
     env = envs.make_env(config, "train", 0)
     replay = tools.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
@@ -67,7 +67,7 @@ def reference_update(agent, batch):
         actions.append(ac.actor(feats[-1].detach()).sample())
         if t < horizon:
             state = rssm.img_step(state, actions[-1])
-    feat = torch.stack(feats)  # (H+1, N, F); the dynamics gradient needs no log-probabilities of actions
+    feat, action = torch.stack(feats), torch.stack(actions)  # (H+1, N, ...)
     reward = wm.heads["reward"](feat[1:]).mean()
     cont = torch.cat([data["cont"].flatten()[None], wm.heads["cont"](feat[1:]).mode()[..., 0].detach()])
     weight = torch.cumprod(config.discount * cont, 0) / config.discount
@@ -81,7 +81,13 @@ def reference_update(agent, batch):
     low, high = 0.01 * torch.quantile(returns.detach().flatten(), torch.tensor([0.05, 0.95]))
     scale = torch.clamp(high - low, min=1.0)  # the EMAs start at zero: one step of decay 0.99
     policy = ac.actor(feat[:-1].detach())
-    actor_loss = (weight[:-1] * (-(returns - low) / scale - config.actor.entropy * policy.entropy())).mean()
+    normed_returns = (returns - low) / scale
+    if config.imag_gradient == "dynamics":
+        objective = normed_returns
+    else:  # reinforce
+        advantage = (normed_returns - (value[:-1] - low) / scale).detach()
+        objective = policy.log_prob(action[:-1].detach()) * advantage
+    actor_loss = (weight[:-1] * (-objective - config.actor.entropy * policy.entropy())).mean()
     actor_params = list(ac.actor.parameters())
     actor_grads = clipped(torch.autograd.grad(actor_loss, actor_params, retain_graph=True), config.actor.grad_clip)
     critic = ac.critic(feat[:-1].detach())
@@ -99,14 +105,15 @@ def clipped(grads, clip):
     return [g * torch.clamp(clip / (norm + 1e-6), max=1.0) for g in grads]
 
 
-@pytest.fixture(scope="module")
-def updates():
+@pytest.fixture(scope="module", params=["dynamics", "reinforce"])
+def updates(request):
     # Inductor draws random numbers its own way; this makes it use eager's generator, so that all
     # updates see the same latent and action samples.
     torch._inductor.config.fallback_random = True
-    eager, batch = make_agent_and_batch(False)
-    compiled, _ = make_agent_and_batch(True)
-    reference, _ = make_agent_and_batch(False)
+    flags = ("--imag_gradient", request.param)
+    eager, batch = make_agent_and_batch(False, *flags)
+    compiled, _ = make_agent_and_batch(True, *flags)
+    reference, _ = make_agent_and_batch(False, *flags)
     # The reward and critic heads start at zero, which would hide any error in the gradients
     # through their outputs; give them (and the slow critic, apart) some weights.
     gen = torch.Generator().manual_seed(2)
