@@ -77,6 +77,7 @@ def test_debug_run_writes_metrics_episodes_and_checkpoint(run):
     # The start-up summary names the changed keys and counts parameters per module.
     assert "Changed from defaults:" in result.stdout and "steps=400" in result.stdout
     assert "task=dmc_cartpole_balance" in result.stdout and "Device: cpu" in result.stdout
+    assert "Compile: off" in result.stdout
     params = result.stdout.split("Parameters: ")[1].splitlines()[0]
     assert "world model" in params and "actor" in params and "critic" in params
 
@@ -180,3 +181,12 @@ def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
         counts[mode] = int(out.stdout.strip().splitlines()[-1])
     assert counts["plain"] >= 32, counts  # glibc's default: fresh pages (even 2 MB ones fault 64 times)
     assert counts["tuned"] < 8, counts
+
+
+def test_summary_says_compile_does_not_pay_on_a_cpu():
+    import dreamer
+
+    for device, want in (("cpu", "no faster than eager"), ("cuda:0", "include compilation")):
+        config = dreamer.parse(["--configs", "debug", "--compile", "True", "--device", device])
+        assert want in dreamer.compile_note(config)
+    assert dreamer.compile_note(dreamer.parse(["--configs", "debug"])) == "off"
