@@ -246,7 +246,7 @@ class Dreamer(nn.Module):
             # The critic's single forward pass is backpropagated twice, once into its input (the
             # actor's loss) and once into its weights (its own loss). Eager autograd computes only
             # what each pass needs; a compiled backward would compute both every time.
-            if name.split(".")[-2:-1] == ["critic"]:
+            if name.endswith(".critic.mlp"):  # not slow_critic.mlp: that one only runs forward
                 continue
             if isinstance(module, (networks.MLP, networks.ConvEncoder, networks.ConvDecoder)):
                 module.forward = networks.Compiled(module.forward, name)

@@ -1,13 +1,17 @@
 """`compile True` really compiles, and computes the same update as the plain eager code."""
 
 import copy
+import logging
 
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.convert_frame as convert_frame
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import dreamer
 import envs
+import networks
 import tools
 
 
@@ -53,7 +57,7 @@ def reference_update(agent, batch):
     reward = -wm.heads["reward"](feat).log_prob(data["reward"])
     cont = -wm.heads["cont"](feat).log_prob(data["cont"][..., None])
     model_loss = (image + reward + cont + kl).mean()
-    model_params = [p for p in wm.parameters()]
+    model_params = list(wm.parameters())
     model_grads = clipped(torch.autograd.grad(model_loss, model_params), config.grad_clip)
     for p, g in zip(model_params, model_grads):
         p.grad = g.clone()
@@ -182,8 +186,6 @@ def test_compiled_update_matches_eager_update(updates):
 
 
 def test_compile_falls_back_to_eager_where_compilation_fails(monkeypatch):
-    import networks
-
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
@@ -213,35 +215,21 @@ def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
 def test_compiled_networks_never_hit_the_recompile_limit():
     """Every MLP shares one forward, seen with and without gradients and at several input shapes;
     past dynamo's recompile limit the rest would run eagerly, with only a log line to say so."""
-    import logging
-
-    import torch._dynamo.convert_frame as convert_frame
-
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     convert_frame.log.addHandler(handler)
     try:
-        config = dreamer.parse(["--configs", "debug", "--compile", "True", "--encoder.mlp_keys", ".*",
-                                "--decoder.mlp_keys", ".*", "--encoder.mlp_layers", "2", "--decoder.mlp_layers", "2",
-                                "--expl_behavior", "plan2explore"])  # MLPs of two depths, as in the presets
-        env = envs.make_env(config, "train", 0)
-        replay = tools.Replay(1000, 1, seed=0)
-        obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
-        for _ in range(30):
-            replay.add({**obs, "action": action, "reward": np.float32(0.0)})
-            obs, _, _, _ = env.step(action)
-        agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
+        agent, batch = make_agent_and_batch(  # MLPs of two depths, as in the presets
+            True, "--encoder.mlp_keys", ".*", "--decoder.mlp_keys", ".*", "--encoder.mlp_layers", "2",
+            "--decoder.mlp_layers", "2", "--expl_behavior", "plan2explore")
         for _ in range(2):
-            agent.train_step(replay.sample(config.batch_size, config.batch_length))
-        batch, state = {k: np.stack([v]) for k, v in obs.items()}, None
+            agent.train_step(batch)
+        obs, state = {k: v[:, 0] for k, v in batch.items()}, None
         for mode in ("train", "explore", "eval"):
-            _, state = agent.policy(batch, state, mode)
+            _, state = agent.policy(obs, state, mode)
     finally:
         convert_frame.log.removeHandler(handler)
     limit_hits = [r.getMessage() for r in records if "recompile_limit" in r.getMessage()]
     assert not limit_hits, limit_hits[0]
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    import networks
     assert len(_debug_get_cache_entry_list(networks.MLP.forward.__code__)) > 8  # the default limit
