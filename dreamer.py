@@ -7,6 +7,8 @@ evaluation, then `main`, the training loop itself. Rerunning the same command re
 """
 
 import argparse
+import collections
+import contextlib
 import copy
 import ctypes
 import datetime
@@ -18,6 +20,7 @@ import os
 import pathlib
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -198,7 +201,8 @@ def normalise(config):
     """Counts written as 1e6 in YAML become integers."""
     config = copy.deepcopy(config)
     for key in ("steps", "eval_every", "eval_episode_num", "log_every", "prefill", "dataset_size",
-                "time_limit", "envs", "action_repeat", "expl_until", "pretrain", "batch_size", "batch_length"):
+                "time_limit", "envs", "action_repeat", "expl_until", "pretrain", "batch_size", "batch_length",
+                "actor_sync_every"):
         if isinstance(config.get(key), float):
             if not config[key].is_integer():
                 raise ConfigError(f"Invalid value '{config[key]}' for --{key}: expected a whole number")
@@ -462,7 +466,8 @@ def check_spaces(config, act_space):
 
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-               "parallel", "env_failure", "compile", "video_pred_log")
+               "parallel", "env_failure", "compile", "video_pred_log", "asynchronous", "actor_sync_every",
+               "ratio_tolerance")
 
 
 def compare_saved_config(config, path):
@@ -540,14 +545,18 @@ class Progress:
         self.stats.update({k: v for k, v in stats.items() if v is not None})
         if self.interactive:
             self.bar.update(frames - self.bar.n)
-            self.bar.set_postfix({k: f"{v:.1f}" for k, v in self.stats.items()}, refresh=False)
+            self.bar.set_postfix({k: self.format(k, v) for k, v in self.stats.items()}, refresh=False)
+
+    @staticmethod
+    def format(key, value):
+        return f"{value:.0%}" if key.endswith("_busy") else f"{value:.1f}"
 
     def line(self, frames):
         """The plain progress line: frames, rates, last returns and ETA."""
         fps = self.stats.get("fps", 0.0)
         eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
         parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
-        parts += [f"{k} {v:.1f}" for k, v in self.stats.items()]
+        parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
         return " | ".join(parts + [f"ETA {eta}"])
 
     def log(self, frames):
@@ -568,7 +577,8 @@ class Trainer:
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.checkpoint = logdir / "latest.pt"
         self.counters = Counters()
-        self.schedules = {"train": tools.Ratio(config.train_ratio, config.batch_size * config.batch_length),
+        self.loop = LOOPS[config.asynchronous](self)
+        self.schedules = {"train": self.loop.schedule,
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
         self.replay, loaded_steps = self.load_replay()
         self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
@@ -581,11 +591,13 @@ class Trainer:
         elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
             self.counters.policy_steps = loaded_steps
         self.recent_episodes = []
+        self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
                           if train_envs else None)
         self.metrics = {}
-        self.last_log = (time.time(), self.frames, self.counters.updates)
+        self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
+        self.last_log = (time.time(), self.counters.policy_steps, self.counters.updates)
 
     @property
     def frames(self):
@@ -604,12 +616,17 @@ class Trainer:
     # -- acting and learning ------------------------------------------------------------------------
 
     def on_episode(self, episode):
-        self.counters.episodes += 1
-        self.recent_episodes.append(episode)
-        stats = episode_stats(episode)
-        self.logger.scalar("train/return", stats["return"])
-        self.logger.scalar("train/length", stats["length"])
-        self.progress.update(self.frames, train_return=stats["return"])
+        self.finished.append(episode)  # from the actor's thread in async mode: counted in the main thread
+
+    def count_episodes(self):
+        while self.finished:
+            episode = self.finished.popleft()
+            self.counters.episodes += 1
+            self.recent_episodes.append(episode)
+            stats = episode_stats(episode)
+            self.logger.scalar("train/return", stats["return"])
+            self.logger.scalar("train/length", stats["length"])
+            self.progress.update(self.frames, train_return=stats["return"])
 
     def collect(self, policy):
         if self.collector is None:  # offline: time advances as if the agent were collecting
@@ -617,10 +634,11 @@ class Trainer:
         else:
             self.counters.policy_steps += self.collector.step(policy)
 
-    def policy(self, obs, state):
+    def policy(self, obs, state, agent=None):
+        """The training policy of `agent` (the learner's by default): exploring until expl_until."""
         config = self.config
         explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
-        return self.agent.policy(obs, state, "explore" if explore else "train")
+        return (agent or self.agent).policy(obs, state, "explore" if explore else "train")
 
     def random_policy(self, obs, state):
         """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
@@ -637,7 +655,7 @@ class Trainer:
                 self.metrics.setdefault(key, []).append(value)
 
     def train(self):
-        """Prefill, pretrain, then alternate collecting and updating until `steps` frames."""
+        """Prefill and pretrain, then the loop (`SyncLoop` or `AsyncLoop`) until `steps` frames."""
         config = self.config
         self.logger = tools.Logger(self.logdir, self.frames)
         self.logger.writer.add_text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
@@ -647,37 +665,49 @@ class Trainer:
                 while self.collector is not None and self.frames < config.prefill:
                     self.collect(self.random_policy)
                 self.update(config.pretrain)
+                # The prefill's steps count as paid for: training starts at the train ratio.
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
-            while self.frames < config.steps:
-                if self.eval_envs and self.schedules["eval"](self.frames):
-                    self.evaluate()
-                    self.save()
-                self.collect(self.policy)
-                self.update(self.schedules["train"](self.counters.policy_steps))
-                self.progress.update(self.frames)
-                if self.schedules["log"](self.frames):
-                    self.log()
+            self.loop.run()
             if self.eval_envs:
                 self.evaluate()
             self.log()
         finally:
+            self.loop.close()
             self.save()
             self.progress.close()
             self.logger.close()
+
+    def maintain(self):
+        """What both loops do between steps: count finished episodes, evaluate, log."""
+        self.count_episodes()
+        if self.eval_envs and self.schedules["eval"](self.frames):
+            self.evaluate()
+            self.save()
+        self.progress.update(self.frames)
+        if self.schedules["log"](self.frames):
+            self.log()
 
     # -- logging, evaluation, checkpoints -----------------------------------------------------------
 
     def log(self):
         config, counters = self.config, self.counters
-        now, frames = time.time(), self.frames
+        self.count_episodes()
+        now, steps, frames = time.time(), counters.policy_steps, self.frames
         for key, values in self.metrics.items():
             self.logger.scalar(metric_name(key), torch.stack(values).float().mean())
         self.metrics.clear()
         seconds = max(now - self.last_log[0], 1e-9)
-        fps = (frames - self.last_log[1]) / seconds
+        fps = (steps - self.last_log[1]) * config.action_repeat / seconds
         updates_per_s = (counters.updates - self.last_log[2]) / seconds
         for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
                            ("replay_steps", len(self.replay))):
+            self.logger.scalar(f"perf/{key}", value)
+        if steps > self.last_log[1]:  # replayed steps per policy step since the last log
+            ratio = (counters.updates - self.last_log[2]) * config.batch_size * config.batch_length
+            self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
+        busy = {f"{name}_busy" if name in ("learner", "env") else name: value
+                for name, value in self.stopwatch.fractions().items()}
+        for key, value in {**busy, **self.loop.stats()}.items():
             self.logger.scalar(f"perf/{key}", value)
         self.logger.scalar("train/episodes", counters.episodes)
         if self.collector is not None:
@@ -690,9 +720,10 @@ class Trainer:
             batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
             self.logger.video("train/openl", self.agent.wm.video_pred(batch))
         self.logger.write(frames)
-        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s)
+        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=busy["learner_busy"],
+                             env_busy=busy["env_busy"])
         self.progress.log(frames)
-        self.last_log = (now, frames, counters.updates)
+        self.last_log = (now, steps, counters.updates)
 
     def log_env_status(self):
         """What each environment is doing: scalars env/<i>/..., and a line per environment when
@@ -724,27 +755,168 @@ class Trainer:
 
     def save(self):
         schedules = self.schedules
-        tools.save_checkpoint(self.checkpoint, {
-            "agent": self.agent.state_dict(),
-            "optimizers": self.agent.optimizer_state(),
-            "counters": dict(vars(self.counters)),
-            "schedules": {"train": schedules["train"].updates, "log": schedules["log"].last,
-                          "eval": schedules["eval"].last},
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "replay": self.replay.rng.bit_generator.state},
-        })
+        with self.loop.between_steps():  # counters, schedules and episodes on disk agree
+            self.count_episodes()
+            state = {
+                "agent": self.agent.state_dict(),
+                "optimizers": self.agent.optimizer_state(),
+                "counters": dict(vars(self.counters)),
+                "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
+                              "eval": schedules["eval"].last},
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                        "python": random.getstate(), "replay": self.replay.rng.bit_generator.state},
+            }
+        tools.save_checkpoint(self.checkpoint, state)
 
     def restore(self, state):
         self.agent.load_state_dict(state["agent"])
         self.agent.load_optimizer_state(state["optimizers"])
         vars(self.counters).update(state["counters"])
-        self.schedules["train"].updates = state["schedules"]["train"]
+        self.schedules["train"].load_state_dict(state["schedules"]["train"])
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         self.replay.rng.bit_generator.state = state["rng"]["replay"]
+
+
+class SyncLoop:
+    """Collect one step in every environment, then make the updates the train ratio owes; repeat.
+
+    The learner waits while the environments step and the environments while the learner trains.
+    """
+
+    waits = ()
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        config = trainer.config
+        self.schedule = tools.Ratio(config.train_ratio, config.batch_size * config.batch_length)
+
+    def run(self):
+        trainer = self.trainer
+        while trainer.frames < trainer.config.steps:
+            trainer.maintain()
+            with trainer.stopwatch.time("env"):
+                trainer.collect(trainer.policy)
+            with trainer.stopwatch.time("learner"):
+                trainer.update(self.schedule(trainer.counters.policy_steps))
+
+    def between_steps(self):
+        return contextlib.nullcontext()
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+class AsyncLoop:
+    """The learner trains in the calling thread while an actor thread steps every environment under
+    one batched call of a copy of the policy, refreshed every `actor_sync_every` updates.
+
+    A `tools.SamplesPerInsert` limiter holds the train ratio within `ratio_tolerance` updates: the
+    learner waits when it runs ahead, the actor when the learner falls behind. On a CPU the actor
+    thread gets one torch thread and the learner the remaining cores (README, Asynchronous training).
+    """
+
+    waits = ("learner_wait", "env_wait")
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        config = trainer.config
+        self.schedule = tools.SamplesPerInsert(config.train_ratio, config.batch_size * config.batch_length,
+                                               config.ratio_tolerance)
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
+        self.policy_lock = threading.Lock()  # the actor's weights change only between its policy calls
+        self.thread = self.actor = self.error = None
+        self.synced = self.restore_threads = None
+
+    def run(self):
+        trainer, config = self.trainer, self.trainer.config
+        self.schedule.load_state_dict({"updates": self.schedule.updates, "inserts": trainer.counters.policy_steps})
+        self.start_actor()
+        while not (self.done.is_set() and not self.schedule.can_sample()):
+            trainer.maintain()
+            if self.error is not None:
+                raise self.error
+            with trainer.stopwatch.time("learner_wait"):
+                if not self.schedule.wait_sample(timeout=0.05):
+                    continue
+            with trainer.stopwatch.time("learner"):
+                trainer.update(1)
+            self.schedule.sampled()
+            if trainer.counters.updates - self.synced >= config.actor_sync_every:
+                self.sync_actor()
+        if self.error is not None:
+            raise self.error
+
+    def start_actor(self):
+        trainer, config = self.trainer, self.trainer.config
+        env = trainer.train_envs[0]
+        self.actor = Dreamer(env.obs_space, env.act_space, Config({**config.to_dict(), "compile": False}))
+        self.actor.to(config.device).requires_grad_(False)
+        self.sync_actor()
+        if torch.device(config.device).type == "cpu":
+            # Intra-op threads are per thread: the actor (policy on a few observations) takes one, the
+            # learner the other cores, so the two sides do not fight over the same ones.
+            self.restore_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, min(self.restore_threads, len(os.sched_getaffinity(0)) - 1)))
+        print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
+              f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
+              "updates", flush=True)
+        self.thread = threading.Thread(target=self.act, name="actor", daemon=True)
+        self.thread.start()
+
+    def act(self):
+        """The actor thread: step all environments while the limiter allows, until `steps` frames."""
+        trainer, config = self.trainer, self.trainer.config
+        torch.set_num_threads(1)
+        try:
+            while not self.stop.is_set() and trainer.frames < config.steps:
+                with trainer.stopwatch.time("env_wait"):
+                    if not self.schedule.wait_insert(timeout=0.05):
+                        continue
+                with self.step_lock, trainer.stopwatch.time("env"):
+                    steps = trainer.collector.step(self.policy)
+                    trainer.counters.policy_steps += steps
+                    self.schedule.inserted(steps)
+        except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, raised there
+            self.error = e
+        finally:
+            envs.release_render_context()
+            self.schedule.finish()  # the learner makes the updates still owed, then stops
+            self.done.set()
+
+    def policy(self, obs, state):
+        with self.policy_lock:
+            return self.trainer.policy(obs, state, self.actor)
+
+    def sync_actor(self):
+        with self.policy_lock:
+            self.actor.load_state_dict(self.trainer.agent.state_dict())
+        self.synced = self.trainer.counters.updates
+
+    def between_steps(self):
+        return self.step_lock
+
+    def stats(self):
+        return {"policy_lag": self.trainer.counters.updates - (self.synced or 0)}
+
+    def close(self):
+        """Stop the actor thread (Ctrl-C, an error, or the end); the environments are closed by main."""
+        self.stop.set()
+        self.schedule.close()
+        if self.thread is not None:
+            self.thread.join()
+        if self.restore_threads is not None:
+            torch.set_num_threads(self.restore_threads)
+
+
+LOOPS = {False: SyncLoop, True: AsyncLoop}  # by config.asynchronous
 
 
 def strip_logs(episode):
@@ -811,9 +983,21 @@ def setup(argv):
     warnings_ = []
     if (logdir / "config.yaml").exists():
         warnings_ = compare_saved_config(config, logdir / "config.yaml")
+    check_asynchronous(config)
     if config.eval_only and not (logdir / "latest.pt").exists():
         raise ConfigError(f"--eval_only needs a checkpoint, but {logdir / 'latest.pt'} does not exist")
     return config, logdir, resolve_device(config), warnings_
+
+
+def check_asynchronous(config):
+    if config.asynchronous and config.offline_traindir and not config.eval_only:
+        raise ConfigError("--asynchronous needs environments for its actor, but --offline_traindir trains on a "
+                          "folder and collects nothing; drop --asynchronous (offline training is one loop)")
+    if config.ratio_tolerance < 1:
+        raise ConfigError(f"Invalid value '{config.ratio_tolerance}' for --ratio_tolerance: expected at least 1 "
+                          "(updates; below one the learner and the actor can wait on each other for ever)")
+    if config.actor_sync_every < 1:
+        raise ConfigError(f"Invalid value '{config.actor_sync_every}' for --actor_sync_every: expected at least 1")
 
 
 def main(argv=None):

@@ -14,6 +14,8 @@ import io
 import json
 import os
 import pathlib
+import threading
+import time
 import uuid
 import warnings
 
@@ -296,29 +298,41 @@ class Replay:
     Sequences may cross episode boundaries inside a stream; `is_first` marks where the world
     model must reset its latent state, as in the official implementation. The oldest steps are
     dropped once `capacity` steps are held in total.
+
+    Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
+    under the lock, so a later add never changes a batch already taken).
     """
 
     def __init__(self, capacity, streams, seed=0):
         per_stream = max(1, int(np.ceil(capacity / streams)))
         self.streams = [Stream(per_stream) for _ in range(streams)]
         self.rng = np.random.default_rng(seed)
+        self.lock = threading.Lock()
 
     def __len__(self):
-        return sum(len(s) for s in self.streams)
+        with self.lock:
+            return sum(len(s) for s in self.streams)
 
     def add(self, step, stream=0):
-        self.streams[stream].add(step)
+        with self.lock:
+            self.streams[stream].add(step)
 
     def add_episode(self, episode, stream=0):
         length = len(episode["reward"])
-        for t in range(length):
-            self.streams[stream].add({k: v[t] for k, v in episode.items()})
+        with self.lock:
+            for t in range(length):
+                self.streams[stream].add({k: v[t] for k, v in episode.items()})
 
     def ready(self, length):
-        return any(len(s) >= length for s in self.streams)
+        with self.lock:
+            return any(len(s) >= length for s in self.streams)
 
     def sample(self, batch, length):
         """A batch of sequences: dict of arrays (batch, length, ...)."""
+        with self.lock:
+            return self._sample(batch, length)
+
+    def _sample(self, batch, length):
         starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
         if starts.sum() == 0:
             raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
@@ -467,3 +481,113 @@ class Ratio:
         due = max(0, due)
         self.updates += due
         return due
+
+    def state_dict(self):
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.updates = state["updates"] if isinstance(state, dict) else state  # older checkpoints: the int
+
+
+class SamplesPerInsert:
+    """Rate limiter between an actor inserting policy steps and a learner making updates.
+
+    Holds the credited `updates` within `tolerance` updates of those the train ratio owes for the
+    `inserts` so far, `owed = inserts * ratio / replayed_per_update`: the learner waits while one
+    more update would put it more than `tolerance` ahead, the actor while the learner is more than
+    `tolerance` behind. An insert of n steps adds n * ratio / replayed_per_update to the owed
+    updates, so the learner lags by at most `tolerance` plus one insert. After `finish()` (no more
+    inserts) the learner may make the updates still owed, as the synchronous loop would, and no more.
+
+    Thread-safe; `wait_*` return False on timeout or after `close()`.
+    """
+
+    def __init__(self, ratio, replayed_per_update, tolerance, lock=None):
+        if tolerance < 1:  # below one update the two sides can wait on each other for ever
+            raise ValueError(f"tolerance must be at least 1 update, got {tolerance}")
+        self.ratio, self.replayed_per_update, self.tolerance = ratio, replayed_per_update, tolerance
+        self.inserts, self.updates = 0, 0
+        self.finished = self.closed = False
+        self.condition = threading.Condition(lock or threading.RLock())
+
+    def owed(self, inserts):
+        """Whole updates owed after `inserts` steps (as `Ratio.owed`)."""
+        return int(inserts * self.ratio / self.replayed_per_update)
+
+    def can_sample(self):
+        if self.finished:
+            return self.updates + 1 <= self.owed(self.inserts)
+        return self.updates + 1 <= self.inserts * self.ratio / self.replayed_per_update + self.tolerance
+
+    def can_insert(self):
+        return self.inserts * self.ratio / self.replayed_per_update - self.updates <= self.tolerance
+
+    def wait_sample(self, timeout=None):
+        return self._wait(self.can_sample, timeout)
+
+    def wait_insert(self, timeout=None):
+        return self._wait(self.can_insert, timeout)
+
+    def _wait(self, allowed, timeout):
+        with self.condition:
+            return bool(self.condition.wait_for(lambda: self.closed or allowed(), timeout)) and not self.closed
+
+    def sampled(self, count=1):
+        with self.condition:
+            self.updates += count
+            self.condition.notify_all()
+
+    def inserted(self, count):
+        with self.condition:
+            self.inserts += count
+            self.condition.notify_all()
+
+    def finish(self):
+        with self.condition:
+            self.finished = True
+            self.condition.notify_all()
+
+    def close(self):
+        with self.condition:
+            self.closed = True
+            self.condition.notify_all()
+
+    def state_dict(self):
+        with self.condition:
+            return {"updates": self.updates, "inserts": self.inserts}
+
+    def load_state_dict(self, state):
+        state = state if isinstance(state, dict) else {"updates": state}
+        with self.condition:
+            self.updates = state["updates"]
+            self.inserts = state.get("inserts", self.inserts)
+
+
+class Stopwatch:
+    """Seconds spent in each named activity, from any thread (one thread per name), and the
+    fraction of wall-clock time each took since the last `fractions()`."""
+
+    def __init__(self, names):
+        self.seconds = {name: 0.0 for name in names}
+        self.mark = (time.perf_counter(), dict(self.seconds))
+
+    def time(self, name):
+        return _Timed(self.seconds, name)
+
+    def fractions(self):
+        """{name: fraction of wall-clock time} since the last call."""
+        now, (then, before) = time.perf_counter(), self.mark
+        totals = dict(self.seconds)
+        self.mark = (now, totals)
+        return {name: (value - before[name]) / max(now - then, 1e-9) for name, value in totals.items()}
+
+
+class _Timed:
+    def __init__(self, seconds, name):
+        self.seconds, self.name = seconds, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds[self.name] += time.perf_counter() - self.start
