@@ -508,6 +508,46 @@ def test_env_failure_decides_whether_parallel_workers_restart(failure, restart):
 
 
 # ----------------------------------------------------------------------------------------------
+# Asynchronous training (runs: tests/test_async.py, which also checks actor_sync_every's interval)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_asynchronous_chooses_the_loop_and_its_train_schedule(tmp_path):
+    sync = dreamer.Trainer(make_config(), None, tmp_path / "a", [], [])
+    assert type(sync.loop) is dreamer.SyncLoop and type(sync.schedules["train"]) is tools.Ratio
+    trainer = dreamer.Trainer(make_config("--asynchronous"), None, tmp_path / "b", [], [])
+    assert type(trainer.loop) is dreamer.AsyncLoop
+    assert type(trainer.schedules["train"]) is tools.SamplesPerInsert and trainer.schedules["train"].ratio == 32
+
+
+@pytest.mark.parametrize("tolerance", [1, 5])
+def test_ratio_tolerance_is_how_far_the_learner_may_run_ahead_or_behind(tmp_path, tolerance):
+    config = make_config("--asynchronous", "--ratio_tolerance", str(tolerance))
+    limiter = dreamer.Trainer(config, None, tmp_path, [], []).schedules["train"]
+    ahead = 0
+    while limiter.can_sample():  # no steps inserted yet: updates on credit only
+        limiter.sampled()
+        ahead += 1
+    assert ahead == tolerance and limiter.can_insert()
+    behind = dreamer.Trainer(config, None, tmp_path, [], []).schedules["train"]
+    steps_per_update = config.batch_size * config.batch_length // config.train_ratio  # 200 / 32 -> 6.25
+    behind.inserted(int(tolerance * steps_per_update) + 6)  # owed: just over `tolerance` updates, none made
+    assert not behind.can_insert() and behind.can_sample()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ratio_tolerance", "0.5"], "Invalid value '0.5' for --ratio_tolerance: expected at least 1"),
+    (["--actor_sync_every", "0"], "Invalid value '0' for --actor_sync_every: expected at least 1"),
+    (["--offline_traindir", "/nonexistent"], "--asynchronous needs environments for its actor"),
+])
+def test_asynchronous_keys_refuse_bad_values_before_writing_anything(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        dreamer.main(["--configs", "debug", "--asynchronous", "--logdir", str(tmp_path / "run"), *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
 # Seeds, determinism and batch shapes: the first update of a real run
 # ----------------------------------------------------------------------------------------------
 
