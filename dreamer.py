@@ -819,7 +819,8 @@ class AsyncLoop:
 
     A `tools.SamplesPerInsert` limiter holds the train ratio within `ratio_tolerance` updates: the
     learner waits when it runs ahead, the actor when the learner falls behind. On a CPU the actor
-    thread gets one torch thread and the learner the remaining cores (README, Asynchronous training).
+    thread gets one torch thread and the learner the other cores, or all of them while the actor
+    mostly waits for the learner (README, Asynchronous training).
     """
 
     waits = ("learner_wait", "env_wait")
@@ -833,7 +834,7 @@ class AsyncLoop:
         self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
         self.policy_lock = threading.Lock()  # the actor's weights change only between its policy calls
         self.thread = self.actor = self.error = None
-        self.synced = self.restore_threads = None
+        self.synced = self.restore_threads = self.threads = None
 
     def run(self):
         trainer, config = self.trainer, self.trainer.config
@@ -859,12 +860,13 @@ class AsyncLoop:
         env = trainer.train_envs[0]
         self.actor = Dreamer(env.obs_space, env.act_space, Config({**config.to_dict(), "compile": False}))
         self.actor.to(config.device).requires_grad_(False)
-        self.sync_actor()
         if torch.device(config.device).type == "cpu":
-            # Intra-op threads are per thread: the actor (policy on a few observations) takes one, the
-            # learner the other cores, so the two sides do not fight over the same ones.
+            # Intra-op threads are set per thread: the actor (the policy on a few observations) takes
+            # one, the learner the other cores, so that the two sides do not fight over the same ones.
             self.restore_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, min(self.restore_threads, len(os.sched_getaffinity(0)) - 1)))
+            cores = min(self.restore_threads, len(os.sched_getaffinity(0)))
+            self.threads = {"shared": max(1, cores - 1), "alone": cores, "mark": (time.perf_counter(), 0.0)}
+        self.sync_actor()
         print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
               f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
               "updates", flush=True)
@@ -899,6 +901,17 @@ class AsyncLoop:
         with self.policy_lock:
             self.actor.load_state_dict(self.trainer.agent.state_dict())
         self.synced = self.trainer.counters.updates
+        if self.threads is not None:
+            self.balance_threads()
+
+    def balance_threads(self):
+        """CPU: the learner takes every core while the actor spent most of the time since the last
+        sync waiting for it (the environments are idle then), and leaves it one core otherwise."""
+        now, waited = time.perf_counter(), self.trainer.stopwatch.seconds["env_wait"]
+        then, before = self.threads["mark"]
+        self.threads["mark"] = (now, waited)
+        alone = (waited - before) / max(now - then, 1e-9) > 0.5
+        torch.set_num_threads(self.threads["alone" if alone else "shared"])
 
     def between_steps(self):
         return self.step_lock
