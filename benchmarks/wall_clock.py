@@ -3,12 +3,12 @@
 For each task, four runs of `dreamer.py` to the same frame budget, at the preset's train ratio with a
 small model (so that a run takes minutes on a CPU): `--envs 1` and `--envs 4 --parallel`, each
 synchronous and asynchronous. Prints one row per run: wall-clock seconds (the whole process, start-up
-included), the async/sync ratio, the learner's and the environments' busy fractions (time-weighted over
-the logged intervals), the measured train ratio, and from the synchronous `--envs 1` run the measured
-cost of a policy step and of an update, which the README's projection uses.
+included) and of the training loop alone (from the end of the prefill), the async/sync ratios, the
+learner's and the environments' busy fractions (time-weighted over the logged intervals), the measured
+train ratio, and the measured cost of a policy step and of an update (the README's projection uses them).
 
-    python3 benchmarks/wall_clock.py                       # walker (DMC vision), pong (atari100k), crafter
-    python3 benchmarks/wall_clock.py --tasks walker --frames 4000 --modes sync,async --setups 1,4p
+    python3 benchmarks/wall_clock.py                  # walker (DMC vision), pong (atari100k), crafter, walker16
+    python3 benchmarks/wall_clock.py --tasks walker16 --frames 960 --setups 4p
 
 Runs go to a temporary folder that is removed afterwards. `--extra` adds dreamer.py flags to every run.
 """
@@ -28,12 +28,16 @@ TASKS = {
     "walker": ["--configs", "dmc_vision", "--task", "dmc_walker_walk"],
     "pong": ["--configs", "atari100k", "--task", "atari_pong"],
     "crafter": ["--configs", "crafter", "--task", "crafter_reward"],
+    # The minecraft preset's train ratio on the rendered walker: on a CPU, where an update of even the
+    # small model costs seconds, the ratio at which environment and learner costs are comparable.
+    "walker16": ["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--train_ratio", "16"],
 }
+FRAMES = {"walker": 60, "pong": 60, "crafter": 30, "walker16": 1920}  # after the prefill: ~15 updates each
 # A small model: the same networks at a fraction of the width, so that one update costs about as much
 # as a few environment steps on a CPU instead of seconds.
-SMALL = ["--dyn_hidden", "64", "--dyn_deter", "64", "--dyn_stoch", "8", "--dyn_discrete", "8", "--units", "64",
-         "--encoder.cnn_depth", "8", "--decoder.cnn_depth", "8", "--encoder.mlp_units", "64",
-         "--decoder.mlp_units", "64", "--encoder.mlp_layers", "1", "--decoder.mlp_layers", "1",
+SMALL = ["--dyn_hidden", "32", "--dyn_deter", "32", "--dyn_stoch", "4", "--dyn_discrete", "4", "--units", "32",
+         "--encoder.cnn_depth", "4", "--decoder.cnn_depth", "4", "--encoder.mlp_units", "32",
+         "--decoder.mlp_units", "32", "--encoder.mlp_layers", "1", "--decoder.mlp_layers", "1",
          "--actor.layers", "1", "--critic.layers", "1", "--reward_head.layers", "1", "--cont_head.layers", "1"]
 COMMON = ["--device", "cpu", "--compile", "False", "--eval_episode_num", "0", "--video_pred_log", "False",
           "--pretrain", "1"]
@@ -41,14 +45,15 @@ SETUPS = {"1": ["--envs", "1"], "4p": ["--envs", "4", "--parallel"]}
 
 
 def run(task, frames, mode, setup, extra, root):
+    """One training run of `frames` frames after a prefill that gives every stream one sequence."""
     logdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{task}_{mode}_{setup}_", dir=root))
     envs = 4 if setup == "4p" else 1
-    flags = [*TASKS[task], *SMALL, *COMMON, *SETUPS[setup], "--steps", str(frames),
-             "--log_every", str(frames // 8), "--asynchronous", str(mode == "async"), *extra]
-    probe = [sys.executable, str(ROOT / "dreamer.py"), *flags, "--logdir", str(logdir)]
+    flags = [*TASKS[task], *SMALL, *COMMON, *SETUPS[setup], "--log_every", str(max(1, frames // 6)),
+             "--asynchronous", str(mode == "async"), *extra]
     config = preset_values(flags)
-    prefill = 2 * config["batch_length"] * config["action_repeat"] * envs  # a full sequence in every stream
-    command = [*probe, "--prefill", str(prefill)]
+    prefill = config["batch_length"] * config["action_repeat"] * envs
+    command = [sys.executable, str(ROOT / "dreamer.py"), *flags, "--logdir", str(logdir), "--prefill", str(prefill),
+               "--steps", str(prefill + frames)]
     start = time.time()
     result = subprocess.run(command, capture_output=True, text=True)
     wall = time.time() - start
@@ -69,11 +74,14 @@ def preset_values(flags):
 def summarise(logdir, wall, config):
     """Time-weighted busy fractions over the logged intervals, and costs per step and per update."""
     rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
-    rows = [row for row in rows if "perf/learner_busy" in row and row.get("perf/fps", 0) > 0]
+    rows = [row for row in rows if "perf/learner_busy" in row]
     seconds, learner, env, steps, updates, last = 0.0, 0.0, 0.0, 0, 0, None
     for row in rows:
-        if last is not None:
-            interval = (row["step"] - last["step"]) / row["perf/fps"]
+        if last is not None:  # the interval's seconds, from its frame or (the learner's last one) update rate
+            if row["perf/fps"] > 0:
+                interval = (row["step"] - last["step"]) / row["perf/fps"]
+            else:
+                interval = (row["perf/updates"] - last["perf/updates"]) / max(row["perf/updates_per_s"], 1e-9)
             seconds += interval
             learner += row["perf/learner_busy"] * interval
             env += row["perf/env_busy"] * interval
@@ -81,39 +89,38 @@ def summarise(logdir, wall, config):
             updates += row["perf/updates"] - last["perf/updates"]
         last = row
     replayed = updates * config["batch_size"] * config["batch_length"]
-    return {"wall": wall, "learner_busy": learner / max(seconds, 1e-9), "env_busy": env / max(seconds, 1e-9),
-            "train_ratio": replayed / max(steps, 1), "env_s_per_step": env / max(steps, 1),
-            "learner_s_per_update": learner / max(updates, 1)}
+    busy = {"learner_busy": learner / max(seconds, 1e-9), "env_busy": env / max(seconds, 1e-9)}
+    return {"wall": wall, "loop": seconds, **busy, "train_ratio": replayed / max(steps, 1),
+            "env_s_per_step": env / max(steps, 1), "learner_s_per_update": learner / max(updates, 1)}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", default="walker,pong,crafter")
     parser.add_argument("--frames", type=int, nargs="*", default=None,
-                        help="frame budget per task (one value, or one per task); default walker 3000, "
-                             "pong 2400, crafter 1500")
+                        help="frames after the prefill, per task (one value, or one per task); default FRAMES")
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--setups", default="1,4p")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     tasks = args.tasks.split(",")
-    defaults = {"walker": 3000, "pong": 2400, "crafter": 1500}
-    frames = args.frames or [defaults[t] for t in tasks]
+    frames = args.frames or [FRAMES[t] for t in tasks]
     frames = frames * len(tasks) if len(frames) == 1 else frames
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
-    print("| task | setup | mode | frames | wall s | async/sync | learner busy | env busy | train ratio "
-          "| env s/step | learner s/update |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| task | setup | mode | frames | wall s | async/sync | loop s | async/sync | learner busy | env busy "
+          "| train ratio | env s/step | learner s/update |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="wall_clock_") as root:
         for task, budget in zip(tasks, frames):
             for setup in args.setups.split(","):
-                walls = {}
+                sync = None
                 for mode in args.modes.split(","):
                     out = run(task, budget, mode, setup, args.extra, root)
-                    walls[mode] = out["wall"]
-                    ratio = f"{out['wall'] / walls['sync']:.2f}" if mode != "sync" and "sync" in walls else ""
-                    print(f"| {task} | {setup} | {mode} | {budget} | {out['wall']:.0f} | {ratio} "
-                          f"| {out['learner_busy']:.2f} | {out['env_busy']:.2f} | {out['train_ratio']:.0f} "
+                    sync = out if mode == "sync" else sync
+                    ratios = [f"{out[k] / sync[k]:.2f}" if mode != "sync" and sync else "" for k in ("wall", "loop")]
+                    print(f"| {task} | {setup} | {mode} | {budget} | {out['wall']:.0f} | {ratios[0]} "
+                          f"| {out['loop']:.0f} | {ratios[1]} | {out['learner_busy']:.2f} | {out['env_busy']:.2f} "
+                          f"| {out['train_ratio']:.0f} "
                           f"| {out['env_s_per_step']:.4f} | {out['learner_s_per_update']:.3f} |", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}", flush=True)
 
