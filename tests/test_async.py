@@ -236,14 +236,14 @@ def wait_for(condition, timeout=240):
 
 
 def test_worker_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
-    process = start(tmp_path, "--steps", "400")
+    process = start(tmp_path, "--steps", "300")
     wait_for(lambda: len(list((tmp_path / "train_eps").glob("*.npz"))) >= 1)
     os.kill(workers(process.pid)[0], signal.SIGKILL)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     assert "restarting it and dropping its episode" in err
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 400 and rows[-1]["train/dropped_episodes"] == 1
+    assert rows[-1]["step"] == 300 and rows[-1]["train/dropped_episodes"] == 1
 
 
 def test_ctrl_c_ends_every_thread_and_process_and_saves(tmp_path):
