@@ -452,7 +452,9 @@ def make_envs(config, mode, count):
     ctors = [functools.partial(envs.make_env, config, mode, i) for i in range(count)]
     if config.parallel:
         return [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") for i, ctor in enumerate(ctors)]
-    return [parallel.Damy(ctor, i) for i, ctor in enumerate(ctors)]
+    # The asynchronous actor steps the training environments from a thread of its own.
+    own_thread = config.asynchronous and mode == "train"
+    return [parallel.Damy(ctor, i, own_thread) for i, ctor in enumerate(ctors)]
 
 
 def check_spaces(config, act_space):
@@ -889,7 +891,6 @@ class AsyncLoop:
         except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, raised there
             self.error = e
         finally:
-            envs.release_render_context()
             self.schedule.finish()  # the learner makes the updates still owed, then stops
             self.done.set()
 

@@ -9,6 +9,7 @@ instead of a hang, and no worker outlives its parent: workers are daemons, close
 a finalizer at exit and, if the parent is killed, by themselves.
 """
 
+import concurrent.futures
 import multiprocessing
 import os
 import pickle
@@ -29,11 +30,25 @@ SHARED_MIN_BYTES = 1024
 
 
 class Damy:
-    """In-process environment with the same interface as `Parallel`."""
+    """In-process environment with the same interface as `Parallel`.
 
-    def __init__(self, ctor, index=0):
+    With `own_thread`, the environment lives on a thread of its own: it is built, stepped and closed
+    there, whichever thread calls, and several such environments step at the same time. Rendering
+    contexts (MuJoCo's EGL) are bound to the thread that uses them, so an environment that the main
+    thread prefills and an actor thread then steps (dreamer.AsyncLoop) needs this.
+    """
+
+    def __init__(self, ctor, index=0, own_thread=False):
         self.index = index
-        self.env = ctor()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, f"env{index}") if own_thread else None
+        self.env = self._call(ctor)()
+
+    def _call(self, method, *args):
+        """A callable that yields `method(*args)`, run on the environment's thread if it has one."""
+        if self._thread is None:
+            result = method(*args)
+            return lambda: result
+        return self._thread.submit(method, *args).result
 
     @property
     def obs_space(self):
@@ -44,15 +59,15 @@ class Damy:
         return self.env.act_space
 
     def step(self, action):
-        result = self.env.step(action)
-        return lambda: result
+        return self._call(self.env.step, action)
 
     def reset(self):
-        result = self.env.reset()
-        return lambda: result
+        return self._call(self.env.reset)
 
     def close(self):
-        self.env.close()
+        self._call(self.env.close)()
+        if self._thread is not None:
+            self._thread.shutdown()
 
 
 class WorkerError(RuntimeError):

@@ -8,7 +8,6 @@ Suites are imported only when used, so a missing optional package never breaks a
 """
 
 import importlib
-import sys
 
 # suite prefix -> module in this package that defines `make(task, config, mode, index)`.
 SUITES = {
@@ -62,17 +61,3 @@ def make_env(config, mode, index):
     seed = config.seed + index + (10000 if mode == "eval" else 0)
     return module.make(name, config, mode, seed)
 
-
-def release_render_context():
-    """Unbind the OpenGL context the calling thread made current, before that thread ends.
-
-    MuJoCo's EGL context stays bound to the last thread that rendered with it; once that thread has
-    ended, no other thread can bind it again, not even to free it at exit (EGL_BAD_ACCESS). A thread
-    that steps in-process environments (dreamer.AsyncLoop's actor) calls this on its way out.
-    """
-    egl = sys.modules.get("OpenGL.EGL")
-    if egl is None:  # nothing rendered through EGL in this process
-        return
-    display = egl.eglGetCurrentDisplay()
-    if display:  # a null pointer when this thread has no context current
-        egl.eglMakeCurrent(display, egl.EGL_NO_SURFACE, egl.EGL_NO_SURFACE, egl.EGL_NO_CONTEXT)

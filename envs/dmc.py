@@ -87,6 +87,9 @@ class DeepMindControl:
 
     def close(self):
         self.env.close()
+        # Free the rendering context now, on this thread: MuJoCo's EGL context stays bound to the
+        # thread that last rendered, and freeing it at exit from another one fails (EGL_BAD_ACCESS).
+        self.env.physics.free()
 
 
 def make(name, config, mode, seed):

@@ -257,3 +257,21 @@ def test_ctrl_c_ends_every_thread_and_process_and_saves(tmp_path):
     assert not [pid for pid in pids if pathlib.Path(f"/proc/{pid}").exists()]
     state = torch.load(tmp_path / "latest.pt", weights_only=False)
     assert state["counters"]["policy_steps"] == state["schedules"]["train"]["inserts"] > 0
+
+
+def test_kill_9_loses_at_most_unfinished_episodes_and_the_run_resumes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(tmp_path), "--envs", "2",
+               "--eval_episode_num", "0"]
+    process = subprocess.Popen([*command, "--steps", "100000"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=env)
+    wait_for(lambda: len(list((tmp_path / "train_eps").glob("*.npz"))) >= 3)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    for path in (tmp_path / "train_eps").glob("*.npz"):
+        with np.load(path) as episode:
+            assert episode["is_last"][-1] and episode["is_first"][0]  # only whole episodes are on disk
+    result = subprocess.run([*command, "--steps", "400"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 400

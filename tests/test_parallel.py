@@ -336,3 +336,43 @@ def test_dmc_seeds_are_distinct_and_train_never_shares_with_eval():
         for env in train + evaluation + [local]:
             env.close()
     assert_gone(pids)
+
+
+class ThreadRecordingEnv:
+    """Records the thread of every call: construction, reset, step and close."""
+
+    threads = []
+
+    def __init__(self):
+        self.threads.append(("init", threading.get_ident()))
+        self.obs_space, self.act_space = {}, gymnasium.spaces.Box(-1, 1, (1,))
+
+    def reset(self):
+        self.threads.append(("reset", threading.get_ident()))
+        return {"x": np.zeros(1)}
+
+    def step(self, action):
+        self.threads.append(("step", threading.get_ident()))
+        return {"x": np.ones(1)}, 1.0, False, {}
+
+    def close(self):
+        self.threads.append(("close", threading.get_ident()))
+
+
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_damy_own_thread_keeps_every_call_on_one_thread_whoever_calls(own_thread):
+    """Rendering contexts are bound to a thread: with own_thread, an environment built by the main thread
+    and stepped by another still runs every call on the same thread of its own."""
+    ThreadRecordingEnv.threads = []
+    env = parallel.Damy(ThreadRecordingEnv, 0, own_thread)
+    env.reset()()
+    other = threading.Thread(target=lambda: env.step(np.zeros(1))())
+    other.start()
+    other.join()
+    env.close()
+    threads = dict(ThreadRecordingEnv.threads)
+    assert list(threads) == ["init", "reset", "step", "close"]
+    if own_thread:
+        assert len(set(threads.values())) == 1 and threading.get_ident() not in threads.values()
+    else:
+        assert threads["step"] == other.ident and threads["init"] == threading.get_ident()
