@@ -666,8 +666,9 @@ class Trainer:
         self.counters = Counters()
         self.schedules = {"train": tools.Ratio(config.train_ratio, config.batch_size * config.batch_length),
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
-        env = (train_envs or eval_envs)[0]
-        self.episode_spec = tools.episode_spec(env.obs_space, env.act_space)
+        # Stored episodes must fit the run's spaces (a Trainer without environments takes them on trust).
+        env = (train_envs or eval_envs or [None])[0]
+        self.episode_spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
         self.notes = []  # lines for the start-up summary
         self.skipped = 0
         self.replay, loaded_steps = self.load_replay()
@@ -1081,7 +1082,7 @@ def main(argv=None):
     if "--help" in argv or "-h" in argv:
         print(usage())
         return None
-    signal.signal(signal.SIGTERM, raise_interrupted)
+    previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         return run(argv)
     except KeyboardInterrupt as e:
@@ -1091,12 +1092,21 @@ def main(argv=None):
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
 
 
 def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
+        fail(str(e))
+    # One run per logdir, held until this process ends. A logdir that exists may be in use: check
+    # before building anything; a new one is locked once created. --eval_only only reads, so it
+    # may run beside training.
+    try:
+        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only else None
+    except tools.LogdirBusy as e:
         fail(str(e))
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
@@ -1119,10 +1129,10 @@ def run(argv):
         fail(str(e).strip().splitlines()[-1])
     try:
         try:
-            if config.eval_only:  # reads only, so it may run beside a training run: takes no lock
+            if config.eval_only:
                 return evaluate_checkpoint(config, agent, logdir, eval_envs)
             logdir.mkdir(parents=True, exist_ok=True)
-            lock = tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+            lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
         except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))

@@ -471,9 +471,13 @@ def load_checkpoint(path, device="cpu"):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[-1][:200]
+        # torch names what it refused after "WeightsUnpickler error:"; "Unsupported global" means
+        # the file asks to call or build something, anything else is a damaged file.
+        reason = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+        if "global" not in reason.lower():
+            raise CheckpointError(f"cannot read {path}: not a checkpoint ({reason})") from None
         raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
-                              f"which could run code ({first})") from None
+                              f"which could run code ({reason})") from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {str(e).strip().splitlines()[0][:200]}") from None
 
