@@ -890,11 +890,12 @@ class Trainer:
                           "eval": schedules["eval"].last},
             "rng": rng_state(self.replay.rng),
         }
-        if not tools.all_finite(state):
+        try:
+            tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
+        except tools.CheckpointError:
             kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
             raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
-                                 f"the run stops without saving ({kept})")
-        tools.save_checkpoint(self.checkpoint, state)
+                                 f"the run stops without saving ({kept})") from None
         self.saved_frames = self.frames
 
     def save_on_interrupt(self):

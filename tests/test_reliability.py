@@ -48,6 +48,8 @@ def main(capsys, *args):
         code = 0
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt:  # escaping main would end the test session instead of failing a test
+        code = "KeyboardInterrupt escaped"
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -70,6 +72,13 @@ def run_copy(base_run, tmp_path):
     logdir = tmp_path / "run"
     shutil.copytree(base_run, logdir)
     return logdir
+
+
+def trainer_for(logdir):
+    config = make_config(*SHORT[2:], "--logdir", str(logdir))
+    env_list = dreamer.make_envs(config, "train", 1)
+    agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)
+    return dreamer.Trainer(config, agent, logdir, env_list, [])
 
 
 # -- 1. a crash never overwrites the last good checkpoint ---------------------------------------------
@@ -127,6 +136,17 @@ def test_saves_keep_the_previous_checkpoint_and_loading_falls_back_to_it(tmp_pat
     path.unlink()  # a kill between the two renames of a save
     state, used, notes = tools.load_checkpoint_or_previous(path)
     assert state["step"] == 1 and "is missing" in notes[0]
+
+
+def test_non_finite_weights_are_never_saved(run_copy):
+    before = (run_copy / "latest.pt").read_bytes()
+    trainer = trainer_for(run_copy)
+    with torch.no_grad():
+        next(trainer.agent.parameters())[0] = float("nan")
+    with pytest.raises(dreamer.NonFiniteError, match="non-finite weights .* latest.pt keeps frame 40"):
+        trainer.save()
+    assert (run_copy / "latest.pt").read_bytes() == before and not (run_copy / "previous.pt").exists()
+    trainer.train_envs[0].close()
 
 
 # -- 2. episode files are validated against the run's spaces ------------------------------------------
@@ -228,12 +248,13 @@ def test_a_crafted_checkpoint_runs_nothing_and_says_why(run_copy, capsys):
     state = tools.load_checkpoint(run_copy / "latest.pt")
     state["counters"]["note"] = Malicious(marker)
     torch.save(state, run_copy / "latest.pt")
-    with pytest.raises(tools.CheckpointError, match="refusing to load"):
-        tools.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--eval_only", "--eval_episode_num", "1")
+    assert not marker.exists()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "could run code" in err, err
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "refusing to load" in err, err
+    with pytest.raises(tools.CheckpointError, match="refusing to load"):
+        tools.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
     assert not marker.exists()
 
 
@@ -264,13 +285,6 @@ def test_a_config_that_does_not_fit_the_checkpoint_is_one_line_and_writes_nothin
     assert snapshot(run_copy) == before
 
 
-def trainer_for(logdir):
-    config = make_config(*SHORT[2:], "--logdir", str(logdir))
-    env_list = dreamer.make_envs(config, "train", 1)
-    agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)
-    return dreamer.Trainer(config, agent, logdir, env_list, [])
-
-
 def test_frames_of_episodes_stored_after_the_checkpoint_count_towards_the_budget(run_copy):
     """What a kill -9 leaves: episodes written after the last checkpoint."""
     episodes = sorted((run_copy / "train_eps").glob("*.npz"))
@@ -280,6 +294,7 @@ def test_frames_of_episodes_stored_after_the_checkpoint_count_towards_the_budget
     assert trainer.resumed and trainer.frames == 80  # 40 checkpointed + 20 steps of 2 frames stored afterwards
     assert "Counted 40 frames of episodes stored after the checkpoint (frame 40)" in trainer.notes
     assert trainer.counters.stored_steps == 40  # each stored step counts once
+    trainer.train_envs[0].close()
 
 
 def test_a_missing_checkpoint_beside_episodes_is_said_loudly(run_copy):
@@ -287,6 +302,7 @@ def test_a_missing_checkpoint_beside_episodes_is_said_loudly(run_copy):
     trainer = trainer_for(run_copy)
     assert not trainer.resumed and trainer.frames == 40
     assert any(n.startswith("WARNING: no checkpoint in") and "40 frames of episodes" in n for n in trainer.notes)
+    trainer.train_envs[0].close()
 
 
 def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
