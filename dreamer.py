@@ -138,7 +138,7 @@ RANGES = {
     "decoder.mlp_units": (_at_least(1), "a whole number >= 1"),
     "disag_models": (_at_least(1), "a whole number >= 1"),
     "disag_units": (_at_least(1), "a whole number >= 1"),
-    "disag_offset": (_at_least(1), "a whole number >= 1"),
+    "disag_offset": (_at_least(0), "a whole number >= 0"),
     "encoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
     "encoder.cnn_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
     "decoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
