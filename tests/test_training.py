@@ -190,3 +190,47 @@ def test_summary_says_compile_does_not_pay_on_a_cpu():
         config = dreamer.parse(["--configs", "debug", "--compile", "True", "--device", device])
         assert want in dreamer.compile_note(config)
     assert dreamer.compile_note(dreamer.parse(["--configs", "debug"])) == "off"
+
+
+def test_start_up_phases_print_progress_lines_in_a_log_file(run):
+    """stdout is a file here (not a tty): every phase before training says when it starts and ends."""
+    _, result = run
+    for line in ("prefill: 0/1 frames", "prefill: done, 1 frames in", "pretrain: 0/1 updates",
+                 "pretrain: done, 1 updates in"):
+        assert line in result.stdout, result.stdout[:2000]
+    assert result.stdout.index("prefill: done") < result.stdout.index("pretrain: 0/1")
+
+
+def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
+    import dreamer
+
+    clock = iter([100.0, 102.0, 104.0, 106.0])
+    monkeypatch.setattr(dreamer.time, "time", lambda: next(clock))
+    phase = dreamer.Phase("pretrain", 100, "update", interactive=False, every=0.0)  # starts at t=100
+    phase.update(10)  # t=102: 10 updates in 2 s, 90 to go at 5/s
+    phase.update(20)  # t=104: 20 in 4 s
+    phase.close()  # t=106
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["pretrain: 0/100 updates",
+                     "pretrain: 10/100 updates (10%) | 5.00 updates/s | ETA 0:00:18",
+                     "pretrain: 20/100 updates (20%) | 5.00 updates/s | ETA 0:00:16",
+                     "pretrain: done, 20 updates in 6.0 s"]
+
+
+def test_cpu_runs_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys, monkeypatch):
+    """compile auto on a CPU runs eagerly and says so; an explicit --compile True compiles, and the
+    first (compiling) update is announced and timed (compilation itself stubbed out here)."""
+    import dreamer
+
+    common = ["--configs", "debug", "--device", "cpu", "--steps", "40", "--eval_episode_num", "0"]
+    dreamer.main([*common, "--compile", "auto", "--logdir", str(tmp_path / "auto")])
+    out = capsys.readouterr().out
+    assert "Compile: off (auto: on a CPU compile measured no faster than eager; --compile True compiles)" in out
+    assert "compile warm-up" not in out
+    monkeypatch.setattr(dreamer.Dreamer, "compile_steps", lambda self: ["stub"])
+    dreamer.main([*common, "--compile", "True", "--logdir", str(tmp_path / "explicit")])
+    out = capsys.readouterr().out
+    assert "Compile: on (on a CPU it measured no faster than eager" in out
+    assert "compile warm-up (first update): 0/1 updates" in out
+    assert "compile warm-up (first update): done, 1 updates in" in out
+    assert out.count("compile warm-up (first update): done") == 1
