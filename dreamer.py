@@ -599,8 +599,8 @@ class Progress:
 
 class Phase:
     """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
-    in a terminal; in a log file a plain line when it starts, every `every` seconds with its rate
-    and ETA, and when it ends, so that no minute passes in silence."""
+    in a terminal; in a log file a plain line when it starts, after its first step and then every
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence."""
 
     def __init__(self, name, total, unit, interactive, every=10.0):
         from tqdm import tqdm
@@ -616,7 +616,8 @@ class Phase:
         self.bar.update(done - self.done)
         self.done = done
         now = time.time()
-        if not self.interactive and now - self.last >= self.every:
+        # The first step gives the rate (and ETA) as soon as it is known; then every `every` seconds.
+        if not self.interactive and (self.last == self.start or now - self.last >= self.every):
             self.last = now
             print(self.line(now), flush=True)
 

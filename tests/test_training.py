@@ -207,17 +207,18 @@ def test_start_up_phases_print_progress_lines_in_a_log_file(run):
 def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
     import dreamer
 
-    clock = iter([100.0, 102.0, 104.0, 106.0])
+    clock = iter([100.0, 102.0, 104.0, 108.0, 110.0])
     monkeypatch.setattr(dreamer.time, "time", lambda: next(clock))
-    phase = dreamer.Phase("pretrain", 100, "update", interactive=False, every=0.0)  # starts at t=100
-    phase.update(10)  # t=102: 10 updates in 2 s, 90 to go at 5/s
-    phase.update(20)  # t=104: 20 in 4 s
-    phase.close()  # t=106
+    phase = dreamer.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
+    phase.update(10)  # t=102: the first step gives the rate at once: 10 in 2 s, 90 to go at 5/s
+    phase.update(20)  # t=104: 2 s since the last line, no line
+    phase.update(30)  # t=108: 6 s since the last line: 30 in 8 s, 70 to go at 3.75/s
+    phase.close()  # t=110
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["pretrain: 0/100 updates",
                      "pretrain: 10/100 updates (10%) | 5.00 updates/s | ETA 0:00:18",
-                     "pretrain: 20/100 updates (20%) | 5.00 updates/s | ETA 0:00:16",
-                     "pretrain: done, 20 updates in 6.0 s"]
+                     "pretrain: 30/100 updates (30%) | 3.75 updates/s | ETA 0:00:18",
+                     "pretrain: done, 30 updates in 10.0 s"]
 
 
 def test_cpu_runs_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys, monkeypatch):
