@@ -18,6 +18,7 @@ import os
 import pathlib
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -600,7 +601,9 @@ class Progress:
 class Phase:
     """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
     in a terminal; in a log file a plain line when it starts, after its first step and then every
-    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence."""
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence.
+    A heartbeat thread keeps the lines (and the bar's clock) coming while one step takes long, such
+    as a full-size update on a loaded CPU or a compilation."""
 
     def __init__(self, name, total, unit, interactive, every=10.0):
         from tqdm import tqdm
@@ -611,6 +614,17 @@ class Phase:
         self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True, leave=False, disable=not interactive)
         if not interactive:
             print(f"{name}: 0/{total} {unit}s", flush=True)
+        self.stopped = threading.Event()
+        if every > 0:
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        while not self.stopped.wait(self.every):
+            if self.interactive:
+                self.bar.refresh()
+            elif time.time() - self.last >= self.every:
+                self.last = time.time()
+                print(self.line(self.last), flush=True)
 
     def update(self, done):
         self.bar.update(done - self.done)
@@ -627,10 +641,19 @@ class Phase:
         eta = datetime.timedelta(seconds=int((self.total - self.done) / rate)) if rate > 0 else "?"
         percent = 100 * self.done / max(self.total, 1)
         return (f"{self.name}: {self.done}/{self.total} {self.unit}s ({percent:.0f}%) | "
-                f"{rate:.2f} {self.unit}s/s | ETA {eta}")
+                f"{rate:.2f} {self.unit}s/s | elapsed {datetime.timedelta(seconds=int(elapsed))} | ETA {eta}")
 
-    def close(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):
+        self.close(finished=error is None)
+
+    def close(self, finished=True):
+        self.stopped.set()
         self.bar.close()
+        if not finished:  # an error is on its way up; no "done" line
+            return
         seconds = time.time() - self.start
         message = f"{self.name}: done, {self.done} {self.unit}s in {seconds:.1f} s"
         if self.interactive:
@@ -667,7 +690,7 @@ class Trainer:
                           if train_envs else None)
         self.metrics = {}
         self.last_log = (time.time(), self.frames, self.counters.updates)
-        self.warmed_up = False
+        self.warmed_up = set()  # names of the compiled calls made once already
 
     @property
     def frames(self):
@@ -702,7 +725,19 @@ class Trainer:
     def policy(self, obs, state):
         config = self.config
         explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
-        return self.agent.policy(obs, state, "explore" if explore else "train")
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state,
+                                         "explore" if explore else "train")
+
+    def announce_compilation(self, name, fn, *args):
+        """fn(*args). With compile on, the first call of each kind compiles (minutes on a CPU): it
+        gets a progress bar or log lines of its own, so that the wait is not silent."""
+        if not self.agent.compiled or name in self.warmed_up:
+            return fn(*args)
+        self.warmed_up.add(name)
+        with Phase(f"compile warm-up ({name})", 1, "call", self.progress.interactive) as phase:
+            out = fn(*args)
+            phase.update(1)
+        return out
 
     def random_policy(self, obs, state):
         """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
@@ -714,14 +749,7 @@ class Trainer:
             if not self.replay.ready(config.batch_length):
                 return
             batch = self.replay.sample(config.batch_size, config.batch_length)
-            if self.agent.compiled and not self.warmed_up:  # the first update compiles: minutes, not silence
-                warmup = Phase("compile warm-up (first update)", 1, "update", self.progress.interactive)
-                metrics = self.agent.train_step(batch)
-                warmup.update(1)
-                warmup.close()
-            else:
-                metrics = self.agent.train_step(batch)
-            self.warmed_up = True
+            metrics = self.announce_compilation("first update", self.agent.train_step, batch)
             self.counters.updates += 1
             if phase is not None:
                 phase.update(i + 1)
@@ -737,15 +765,13 @@ class Trainer:
         try:
             if not self.resumed:
                 if self.collector is not None and self.frames < config.prefill:
-                    phase = Phase("prefill", config.prefill, "frame", self.progress.interactive)
-                    while self.frames < config.prefill:
-                        self.collect(self.random_policy)
-                        phase.update(min(self.frames, config.prefill))
-                    phase.close()
+                    with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
+                        while self.frames < config.prefill:
+                            self.collect(self.random_policy)
+                            phase.update(min(self.frames, config.prefill))
                 if config.pretrain:
-                    phase = Phase("pretrain", config.pretrain, "update", self.progress.interactive)
-                    self.update(config.pretrain, phase)
-                    phase.close()
+                    with Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
+                        self.update(config.pretrain, phase)
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
             while self.frames < config.steps:
                 if self.eval_envs and self.schedules["eval"](self.frames):

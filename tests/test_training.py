@@ -216,9 +216,24 @@ def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
     phase.close()  # t=110
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["pretrain: 0/100 updates",
-                     "pretrain: 10/100 updates (10%) | 5.00 updates/s | ETA 0:00:18",
-                     "pretrain: 30/100 updates (30%) | 3.75 updates/s | ETA 0:00:18",
+                     "pretrain: 10/100 updates (10%) | 5.00 updates/s | elapsed 0:00:02 | ETA 0:00:18",
+                     "pretrain: 30/100 updates (30%) | 3.75 updates/s | elapsed 0:00:08 | ETA 0:00:18",
                      "pretrain: done, 30 updates in 10.0 s"]
+
+
+def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
+    """A step longer than `every` (a compiling first update, a full-size update on a loaded CPU)
+    still gets lines: the heartbeat prints the state every `every` seconds."""
+    import dreamer
+
+    phase = dreamer.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
+    time.sleep(0.7)  # one long step
+    phase.update(1)
+    phase.close()
+    lines = capsys.readouterr().out.splitlines()
+    waiting = [line for line in lines if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
+    assert len(waiting) >= 2 and "ETA ?" in waiting[0], lines
+    assert lines[-1].startswith("compile warm-up (first update): done, 1 calls in")
 
 
 def test_cpu_runs_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys, monkeypatch):
@@ -235,6 +250,6 @@ def test_cpu_runs_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_
     dreamer.main([*common, "--compile", "True", "--logdir", str(tmp_path / "explicit")])
     out = capsys.readouterr().out
     assert "Compile: on (on a CPU it measured no faster than eager" in out
-    assert "compile warm-up (first update): 0/1 updates" in out
-    assert "compile warm-up (first update): done, 1 updates in" in out
-    assert out.count("compile warm-up (first update): done") == 1
+    for name in ("first update", "first policy step"):
+        assert f"compile warm-up ({name}): 0/1 calls" in out
+        assert out.count(f"compile warm-up ({name}): done, 1 calls in") == 1
