@@ -16,6 +16,8 @@ class Optimizer:
     Metrics stay tensors so that an update never waits on the device.
     """
 
+    SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
+
     def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False):
         self.name, self.clip = name, clip
         self.params = [p for p in params if p.requires_grad]
@@ -40,8 +42,19 @@ class Optimizer:
         return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state):
+        """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
+        a user who changed them on resume means them. Returns one line per setting that differs
+        from the saved one."""
+        settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
+        changes = []
+        for group, current in zip(self.opt.param_groups, settings):
+            for key, value in current.items():
+                if group[key] != value:
+                    changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")
+                group[key] = value
+        return changes
 
 
 @contextlib.contextmanager
@@ -357,5 +370,5 @@ class ActorCritic(nn.Module):
         return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
 
     def load_optimizer_state(self, state):
-        self.actor_opt.load_state_dict(state["actor"])
-        self.critic_opt.load_state_dict(state["critic"])
+        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
+        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])
