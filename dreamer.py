@@ -19,7 +19,10 @@ import json
 import os
 import pathlib
 import random
+import re
+import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -44,10 +47,11 @@ CHOICES = {
     "initial": ("learned", "zeros"),
     "dyn_mean_act": ("none", "tanh5"),
     "dyn_std_act": ("softplus", "abs", "sigmoid", "sigmoid2"),
-    "imag_gradient": ("dynamics", "reinforce", "both"),
+    "compile": ("auto", True, False),
+    "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
     "expl_behavior": ("greedy", "random", "plan2explore"),
     "disag_target": ("stoch", "deter", "embed", "feat"),
-    "actor.dist": ("normal", "onehot"),
+    "actor.dist": ("auto", "normal", "onehot"),
     "critic.dist": ("symlog_disc", "symlog_mse"),
     "reward_head.dist": ("symlog_disc", "symlog_mse"),
     "decoder.image_dist": ("mse",),
@@ -56,6 +60,98 @@ CHOICES = {
     "resize": ("opencv", "pillow"),
     "actions": ("all", "needed"),
     "env_failure": ("restart", "stop"),
+}
+
+
+
+def valid_regex(text):
+    try:
+        re.compile(text)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def offline(flat):
+    """Offline training and --eval_only collect nothing, so they may run with --envs 0."""
+    return bool(flat.get("offline_traindir")) or bool(flat.get("eval_only"))
+
+
+# Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
+# config), what is valid). A key absent from a config is not checked.
+_at_least = lambda low: (lambda v, flat: v >= low)  # noqa: E731
+_positive = lambda v, flat: v > 0  # noqa: E731
+_fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
+RANGES = {
+    "steps": (_at_least(0), "a whole number >= 0"),
+    "envs": (lambda v, flat: v >= (0 if offline(flat) else 1),
+             "a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
+    "action_repeat": (_at_least(1), "a whole number >= 1"),
+    "size": (lambda v, flat: len(v) == 2 and all(isinstance(x, int) and x >= 1 for x in v),
+             "two whole numbers >= 1, e.g. 64,64"),
+    "time_limit": (_at_least(0), "a whole number >= 0 (0 for none)"),
+    "prefill": (_at_least(0), "a whole number >= 0"),
+    "pretrain": (_at_least(0), "a whole number >= 0"),
+    "eval_every": (_at_least(0), "a whole number >= 0"),
+    "eval_episode_num": (_at_least(0), "a whole number >= 0"),
+    "log_every": (_at_least(0), "a whole number >= 0"),
+    "expl_until": (_at_least(0), "a whole number >= 0"),
+    "noops": (_at_least(0), "a whole number >= 0"),
+    "dataset_size": (_at_least(1), "a whole number >= 1"),
+    "batch_size": (_at_least(1), "a whole number >= 1"),
+    "batch_length": (_at_least(1), "a whole number >= 1"),
+    "train_ratio": (_positive, "a number > 0"),
+    # Below one update of tolerance the learner and the actor can wait on each other for ever.
+    "ratio_tolerance": (_at_least(1), "a number >= 1 (updates)"),
+    "actor_sync_every": (_at_least(1), "a whole number >= 1"),
+    "asynchronous": (lambda v, flat: not (v and flat.get("offline_traindir") and not flat.get("eval_only")),
+                     "False with --offline_traindir (no environments for an actor to act in)"),
+    "model_lr": (_positive, "a number > 0"),
+    "opt_eps": (_positive, "a number > 0"),
+    "actor.lr": (_positive, "a number > 0"),
+    "actor.eps": (_positive, "a number > 0"),
+    "critic.lr": (_positive, "a number > 0"),
+    "critic.eps": (_positive, "a number > 0"),
+    "weight_decay": (_at_least(0), "a number >= 0"),
+    "grad_clip": (_positive, "a number > 0"),
+    "actor.grad_clip": (_positive, "a number > 0"),
+    "critic.grad_clip": (_positive, "a number > 0"),
+    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "discount_lambda": (_fraction, "a number in [0, 1]"),
+    "imag_horizon": (_at_least(1), "a whole number >= 1"),
+    "imag_gradient_mix": (_fraction, "a number in [0, 1]"),
+    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "kl_free": (_at_least(0), "a number >= 0"),
+    "dyn_scale": (_at_least(0), "a number >= 0"),
+    "rep_scale": (_at_least(0), "a number >= 0"),
+    "dyn_hidden": (_at_least(1), "a whole number >= 1"),
+    "dyn_deter": (_at_least(1), "a whole number >= 1"),
+    "dyn_stoch": (_at_least(1), "a whole number >= 1"),
+    "dyn_discrete": (_at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
+    "dyn_rec_depth": (_at_least(1), "a whole number >= 1"),
+    "units": (_at_least(1), "a whole number >= 1"),
+    "critic.slow_target_update": (_at_least(1), "a whole number >= 1"),
+    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "actor.min_std": (_positive, "a number > 0"),
+    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
+    "dyn_min_std": (_at_least(0), "a number >= 0"),
+    "actor.entropy": (_at_least(0), "a number >= 0"),
+    "reward_head.loss_scale": (_at_least(0), "a number >= 0"),
+    "cont_head.loss_scale": (_at_least(0), "a number >= 0"),
+    "encoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
+    "decoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
+    "encoder.minres": (_at_least(1), "a whole number >= 1"),
+    "decoder.minres": (_at_least(1), "a whole number >= 1"),
+    "encoder.mlp_units": (_at_least(1), "a whole number >= 1"),
+    "decoder.mlp_units": (_at_least(1), "a whole number >= 1"),
+    "disag_models": (_at_least(1), "a whole number >= 1"),
+    "disag_units": (_at_least(1), "a whole number >= 1"),
+    "disag_offset": (_at_least(0), "a whole number >= 0"),
+    "encoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "encoder.cnn_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "decoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "decoder.cnn_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
 }
 
 # ==================================================================================================
@@ -125,6 +221,10 @@ def parse_number(text, like):
     return value
 
 
+# Keys that take True/False or 'auto' (settled by resolve_auto once the device is known).
+BOOL_OR_AUTO = ("compile",)
+
+
 def parse_value(text, default):
     """Convert a command-line string to the type of the key's current value."""
     if isinstance(default, bool):
@@ -177,7 +277,10 @@ def parse(argv, presets=None):
             else:
                 value, i = rest[i + 1], i + 1
         try:
-            overrides[key] = parse_value(value, flat[key])
+            if key in BOOL_OR_AUTO:
+                overrides[key] = "auto" if value == "auto" else parse_bool(value)
+            else:
+                overrides[key] = parse_value(value, flat[key])
         except ValueError as e:
             raise ConfigError(f"Invalid value '{value}' for --{key}: {e}") from None
         i += 1
@@ -188,13 +291,22 @@ def parse(argv, presets=None):
             node = node[parent]
         node[leaf] = value
     check_choices(flatten(config))
-    return Config(normalise(config))
+    config = normalise(config)
+    check_ranges(flatten(config))
+    return Config(config)
 
 
 def check_choices(flat):
     for key, valid in CHOICES.items():
         if key in flat and flat[key] not in valid:
             raise ConfigError(f"Invalid value '{flat[key]}' for --{key}; valid: {', '.join(map(str, valid))}")
+
+
+def check_ranges(flat):
+    for key, (valid, description) in RANGES.items():
+        if key in flat and not valid(flat[key], flat):
+            value = ",".join(map(str, flat[key])) if isinstance(flat[key], list) else flat[key]
+            raise ConfigError(f"Invalid value '{value}' for --{key}; valid: {description}")
 
 
 def normalise(config):
@@ -220,6 +332,7 @@ class Dreamer(nn.Module):
 
     def __init__(self, obs_space, act_space, config):
         super().__init__()
+        self.resolved = resolve_auto(config, act_space)  # settles every 'auto' key before anything is built
         self.config = config
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
@@ -278,7 +391,8 @@ class Dreamer(nn.Module):
         latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
-            action = self.task_behavior.actor(feat).mode()
+            policy = self.task_behavior.actor(feat)
+            action = policy.sample() if self.config.eval_sample else policy.mode()
         elif mode == "explore" and self.expl_behavior is not None:
             action = self.expl_behavior.actor(feat).sample()
         else:
@@ -304,11 +418,13 @@ class Dreamer(nn.Module):
         return state
 
     def load_optimizer_state(self, state):
-        self.wm.optimizer.load_state_dict(state["model"])
-        self.task_behavior.load_optimizer_state(state["task"])
+        """Returns the optimizer settings of this config that replace differing saved ones."""
+        changes = self.wm.optimizer.load_state_dict(state["model"])
+        changes += self.task_behavior.load_optimizer_state(state["task"])
         if "expl" in state:
-            self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
-            self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+            changes += self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
+            changes += self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+        return changes
 
 
 # ==================================================================================================
@@ -457,13 +573,29 @@ def make_envs(config, mode, count):
     return [parallel.Damy(ctor, i, own_thread) for i, ctor in enumerate(ctors)]
 
 
-def check_spaces(config, act_space):
-    discrete = getattr(act_space, "discrete", False)
-    if discrete and config.actor.dist != "onehot":
-        raise ConfigError(f"Task '{config.task}' has discrete actions; use --actor.dist onehot "
-                          "(as the atari100k, crafter and memorymaze presets do)")
-    if not discrete and config.actor.dist == "onehot":
-        raise ConfigError(f"Task '{config.task}' has continuous actions; use --actor.dist normal")
+def resolve_auto(config, act_space):
+    """Settle the 'auto' keys, in place: the actor's distribution and gradient from the action
+    space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot + reinforce,
+    continuous -> normal + dynamics) and compile from the device (on a CPU it measured no faster
+    than eager but adds a warm-up). Explicit values stay; an actor distribution that contradicts
+    the action space is a ConfigError. Returns the keys that were 'auto', for the summary."""
+    discrete = bool(getattr(act_space, "discrete", False))
+    dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
+    resolved = []
+    if config.actor.dist == "auto":
+        config.actor.dist = dist
+        resolved.append("actor.dist")
+    if config.imag_gradient == "auto":
+        config.imag_gradient = gradient
+        resolved.append("imag_gradient")
+    if config.compile == "auto":
+        config.compile = torch.device(config.device).type == "cuda"
+        resolved.append("compile")
+    if config.actor.dist != dist:
+        kind = "discrete" if discrete else "continuous"
+        raise ConfigError(f"Invalid value '{config.actor.dist}' for --actor.dist: task '{config.task}' has {kind} "
+                          f"actions; use --actor.dist {dist} (or auto)")
+    return resolved
 
 
 # Keys that may differ between a run and its resumption without a warning.
@@ -476,13 +608,21 @@ def compare_saved_config(config, path):
     """Warnings for keys that differ from the run's saved config; a different task is an error."""
     from ruamel.yaml import YAML
 
-    saved = flatten(YAML(typ="safe", pure=True).load(path.read_text()))
+    try:
+        saved = YAML(typ="safe", pure=True).load(path.read_text())
+    except Exception as e:  # noqa: BLE001 - any parse error: the file is unusable
+        raise ConfigError(f"Cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                          "fix or delete it (this run's settings are the command line)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"Cannot read {path}: expected a mapping of config keys; fix or delete it")
+    saved = flatten(saved)
     current = flatten(config.to_dict())
     if saved.get("task") != current["task"]:
         raise ConfigError(f"--task {current['task']} differs from this run's task '{saved.get('task')}' "
                           f"(saved in {path}); use another --logdir for another task")
+    # 'auto' settles the same way for the same task, into the value the saved config holds.
     return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
-            if key not in BUDGET_KEYS and saved.get(key) != value]
+            if key not in BUDGET_KEYS and value != "auto" and saved.get(key) != value]
 
 
 def save_config(config, path):
@@ -493,18 +633,29 @@ def save_config(config, path):
     tools.atomic_write_bytes(path, buffer.getvalue().encode())
 
 
-def compile_note(config):
+def compile_note(config, auto=False):
+    """`auto`: the value was settled by resolve_auto rather than asked for."""
+    cpu = torch.device(config.device).type == "cpu"
     if not config.compile:
+        if auto and cpu:  # README, Performance: measured 0-14% slower there
+            return "off (auto: on a CPU compile measured no faster than eager; --compile True compiles)"
         return "off"
-    if torch.device(config.device).type == "cpu":  # README, Performance: measured 0-14% slower there
+    if cpu:
         return "on (on a CPU it measured no faster than eager and adds a warm-up; --compile False turns it off)"
     return "on (the first updates include compilation)"
+
+
+def actor_note(config, resolved):
+    """The actor's distribution and gradient, and whether they were chosen from the action space."""
+    auto = [key for key in ("actor.dist", "imag_gradient") if key in resolved]
+    note = f"{config.actor.dist} distribution, {config.imag_gradient} gradient"
+    return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
 
 
 def summary(config, agent, device_note, resumed_step):
     """The start-up summary: what runs where, what differs from defaults, how big the model is."""
     defaults = flatten(load_presets()["defaults"])
-    changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v}
+    changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v and k not in agent.resolved}
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     params = {"world model": count(agent.wm), "actor": count(agent.task_behavior.actor),
               "critic": count(agent.task_behavior.critic)}
@@ -513,7 +664,8 @@ def summary(config, agent, device_note, resumed_step):
     lines = [
         f"Task: {config.task}",
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
-        "Compile: " + compile_note(config),
+        "Compile: " + compile_note(config, "compile" in agent.resolved),
+        "Actor: " + actor_note(config, agent.resolved),
         f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})",
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
@@ -530,6 +682,7 @@ class Counters:
         self.policy_steps = 0
         self.updates = 0
         self.episodes = 0
+        self.stored_steps = 0  # policy steps in the training episode files when last saved
 
 
 class Progress:
@@ -569,6 +722,70 @@ class Progress:
         self.bar.close()
 
 
+class Phase:
+    """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
+    in a terminal; in a log file a plain line when it starts, after its first step and then every
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence.
+    A heartbeat thread keeps the lines (and the bar's clock) coming while one step takes long, such
+    as a full-size update on a loaded CPU or a compilation."""
+
+    def __init__(self, name, total, unit, interactive, every=10.0):
+        from tqdm import tqdm
+
+        self.name, self.total, self.unit, self.interactive, self.every = name, total, unit, interactive, every
+        self.done, self.start = 0, time.time()
+        self.last = self.start
+        self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True, leave=False, disable=not interactive)
+        if not interactive:
+            print(f"{name}: 0/{total} {unit}s", flush=True)
+        self.stopped = threading.Event()
+        if every > 0:
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        while not self.stopped.wait(self.every):
+            if self.interactive:
+                self.bar.refresh()
+            elif time.time() - self.last >= self.every:
+                self.last = time.time()
+                print(self.line(self.last), flush=True)
+
+    def update(self, done):
+        self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        # The first step gives the rate (and ETA) as soon as it is known; then every `every` seconds.
+        if not self.interactive and (self.last == self.start or now - self.last >= self.every):
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def line(self, now):
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = datetime.timedelta(seconds=int((self.total - self.done) / rate)) if rate > 0 else "?"
+        percent = 100 * self.done / max(self.total, 1)
+        return (f"{self.name}: {self.done}/{self.total} {self.unit}s ({percent:.0f}%) | "
+                f"{rate:.2f} {self.unit}s/s | elapsed {datetime.timedelta(seconds=int(elapsed))} | ETA {eta}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):
+        self.close(finished=error is None)
+
+    def close(self, finished=True):
+        self.stopped.set()
+        self.bar.close()
+        if not finished:  # an error is on its way up; no "done" line
+            return
+        seconds = time.time() - self.start
+        message = f"{self.name}: done, {self.done} {self.unit}s in {seconds:.1f} s"
+        if self.interactive:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+
 class Trainer:
     """Owns a run's replay, counters, schedules and logger; `train()` is the main loop."""
 
@@ -582,16 +799,19 @@ class Trainer:
         self.loop = LOOPS[config.asynchronous](self)
         self.schedules = {"train": self.loop.schedule,
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+        # Stored episodes must fit the run's spaces (a Trainer without environments takes them on trust).
+        env = (train_envs or eval_envs or [None])[0]
+        self.episode_spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
+        self.notes = []  # lines for the start-up summary
+        self.skipped = 0
         self.replay, loaded_steps = self.load_replay()
         self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
         evaldir = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
-        for episode in tools.load_episodes(evaldir, 100 * config.batch_length):
+        for episode in tools.load_episodes(evaldir, 100 * config.batch_length, self.episode_spec, self.skip):
             self.eval_replay.add_episode(strip_logs(episode))
-        self.resumed = self.checkpoint.exists()
-        if self.resumed:
-            self.restore(tools.load_checkpoint(self.checkpoint, config.device))
-        elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
-            self.counters.policy_steps = loaded_steps
+        self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
+        self.saved_frames = None  # frame of the checkpoint on disk
+        self.resumed = self.resume()
         self.recent_episodes = []
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
@@ -600,6 +820,7 @@ class Trainer:
         self.metrics = {}
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.last_log = (time.time(), self.counters.policy_steps, self.counters.updates)
+        self.warmed_up = set()  # names of the compiled calls made once already
 
     @property
     def frames(self):
@@ -610,10 +831,44 @@ class Trainer:
         replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
-        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size)):
+        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, self.episode_spec, self.skip)):
             replay.add_episode(strip_logs(episode), i % len(replay.streams))
             loaded_steps += len(episode["reward"]) - 1
         return replay, loaded_steps
+
+    def skip(self, filename, problem):
+        tools.skip_warning(filename, problem)
+        self.skipped += 1
+
+    def resume(self):
+        """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
+        config = self.config
+        state, path, notes = tools.load_checkpoint_or_previous(self.checkpoint, config.device)
+        self.notes += [f"WARNING: {note}" for note in notes]
+        stored = 0 if config.offline_traindir else tools.stored_steps(self.traindir)
+        if state is None:
+            self.counters.stored_steps = stored
+            # Episodes of a run killed before its first checkpoint count towards the budget.
+            self.counters.policy_steps = stored
+            if stored:
+                self.notes.append(f"WARNING: no checkpoint in {self.logdir}, but {self.traindir} holds "
+                                  f"{stored * config.action_repeat} frames of episodes: training starts from "
+                                  "fresh weights and the frame count continues from them")
+            return False
+        check_fits(self.agent, state["agent"], path)
+        changes = self.restore(state)
+        self.saved_frames = self.frames
+        if changes:
+            self.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
+        # After a kill -9, episodes written after the checkpoint are in replay; their frames were
+        # spent, so the budget counts them (an episode running at the save may count twice).
+        extra = stored - state["counters"].get("stored_steps", stored)
+        self.counters.stored_steps = stored
+        if extra > 0:
+            self.counters.policy_steps += extra
+            self.notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
+                              f"checkpoint (frame {self.saved_frames})")
+        return True
 
     # -- acting and learning ------------------------------------------------------------------------
 
@@ -624,6 +879,7 @@ class Trainer:
         while self.finished:
             episode = self.finished.popleft()
             self.counters.episodes += 1
+            self.counters.stored_steps += len(episode["reward"]) - 1
             self.recent_episodes.append(episode)
             stats = episode_stats(episode)
             self.logger.scalar("train/return", stats["return"])
@@ -640,19 +896,36 @@ class Trainer:
         """The training policy of `agent` (the learner's by default): exploring until expl_until."""
         config = self.config
         explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
-        return (agent or self.agent).policy(obs, state, "explore" if explore else "train")
+        mode = "explore" if explore else "train"
+        if agent is not None:  # the asynchronous actor's copy, never compiled
+            return agent.policy(obs, state, mode)
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state, mode)
+
+    def announce_compilation(self, name, fn, *args):
+        """fn(*args). With compile on, the first call of each kind compiles (minutes on a CPU): it
+        gets a progress bar or log lines of its own, so that the wait is not silent."""
+        if not self.agent.compiled or name in self.warmed_up:
+            return fn(*args)
+        self.warmed_up.add(name)
+        with Phase(f"compile warm-up ({name})", 1, "call", self.progress.interactive) as phase:
+            out = fn(*args)
+            phase.update(1)
+        return out
 
     def random_policy(self, obs, state):
         """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
         return self.prefill_behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
 
-    def update(self, count):
+    def update(self, count, phase=None):
         config = self.config
-        for _ in range(count):
+        for i in range(count):
             if not self.replay.ready(config.batch_length):
                 return
-            metrics = self.agent.train_step(self.replay.sample(config.batch_size, config.batch_length))
+            batch = self.replay.sample(config.batch_size, config.batch_length)
+            metrics = self.announce_compilation("first update", self.agent.train_step, batch)
             self.counters.updates += 1
+            if phase is not None:
+                phase.update(i + 1)
             for key, value in metrics.items():
                 self.metrics.setdefault(key, []).append(value)
 
@@ -664,18 +937,29 @@ class Trainer:
         self.progress = Progress(config.steps, self.frames)
         try:
             if not self.resumed:
-                while self.collector is not None and self.frames < config.prefill:
-                    self.collect(self.random_policy)
-                self.update(config.pretrain)
+                if self.collector is not None and self.frames < config.prefill:
+                    with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
+                        while self.frames < config.prefill:
+                            self.collect(self.random_policy)
+                            phase.update(min(self.frames, config.prefill))
+                if config.pretrain:
+                    with Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
+                        self.update(config.pretrain, phase)
                 # The prefill's steps count as paid for: training starts at the train ratio.
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
             self.loop.run()
             if self.eval_envs:
                 self.evaluate()
             self.log()
-        finally:
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
+            self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
+            self.save_on_interrupt()
+            raise
+        else:
             self.loop.close()
             self.save()
+        finally:
+            self.loop.close()  # after any other error too: no thread outlives the run
             self.progress.close()
             self.logger.close()
 
@@ -692,6 +976,7 @@ class Trainer:
     # -- logging, evaluation, checkpoints -----------------------------------------------------------
 
     def log(self):
+        self.check_losses()
         config, counters = self.config, self.counters
         self.count_episodes()
         now, steps, frames = time.time(), counters.policy_steps, self.frames
@@ -755,7 +1040,26 @@ class Trainer:
         return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
                 and replay.ready(config.batch_length))
 
+    def check_losses(self):
+        """End the run on a non-finite loss among the updates since the last log. Checked here and
+        before every save, not per update: one device sync per log instead of one per update."""
+        losses = {key: torch.stack(values) for key, values in self.metrics.items() if key.endswith("_loss")}
+        if not losses or tools.all_finite(losses):
+            return
+        first = {}
+        for key, values in losses.items():
+            bad = (~torch.isfinite(values.float())).nonzero()
+            if len(bad):
+                index = int(bad[0])
+                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
+        key = min(first, key=lambda k: first[k][0])
+        update, value = first[key]
+        kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+        raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
+                             f"without saving ({kept})")
+
     def save(self):
+        self.check_losses()
         schedules = self.schedules
         with self.loop.between_steps():  # counters, schedules and episodes on disk agree
             self.count_episodes()
@@ -765,22 +1069,79 @@ class Trainer:
                 "counters": dict(vars(self.counters)),
                 "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
                               "eval": schedules["eval"].last},
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                        "python": random.getstate(), "replay": self.replay.rng.bit_generator.state},
+                "rng": rng_state(self.replay.rng),
             }
-        tools.save_checkpoint(self.checkpoint, state)
+        try:
+            tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
+        except tools.CheckpointError:
+            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
+                                 f"the run stops without saving ({kept})") from None
+        self.saved_frames = self.frames
+
+    def save_on_interrupt(self):
+        try:
+            self.save()
+        except NonFiniteError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
 
     def restore(self, state):
+        """Returns the optimizer settings of this config that replaced differing saved ones."""
         self.agent.load_state_dict(state["agent"])
-        self.agent.load_optimizer_state(state["optimizers"])
+        changes = self.agent.load_optimizer_state(state["optimizers"])
         vars(self.counters).update(state["counters"])
         self.schedules["train"].load_state_dict(state["schedules"]["train"])
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        self.replay.rng.bit_generator.state = state["rng"]["replay"]
+        set_rng_state(state["rng"], self.replay.rng)
+        return changes
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or weight went NaN or infinite: the run stops without saving."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what cluster schedulers send before a kill), handled like Ctrl-C."""
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted()
+
+
+def rng_state(replay_rng):
+    """Every random state as tensors and plain lists, so checkpoints load with weights_only."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
+
+
+def set_rng_state(state, replay_rng):
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    replay_rng.bit_generator.state = state["replay"]
+
+
+def check_fits(agent, saved, path):
+    """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
+    current = agent.state_dict()
+    differ = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if not (differ or missing or unexpected):
+        return
+    if differ:
+        key = differ[0]
+        example = f"{key} is {tuple(saved[key].shape)} there, {tuple(current[key].shape)} here"
+    else:
+        example = f"{(missing or unexpected)[0]} is only {'here' if missing else 'there'}"
+    raise ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
+                      f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
+                      "saved config.yaml or use another --logdir")
 
 
 class SyncLoop:
@@ -939,7 +1300,8 @@ def strip_logs(episode):
 
 
 def run_episodes(agent, env_list, count, directory):
-    """`count` episodes with the task policy's mode (episodes still running at the end are dropped)."""
+    """`count` episodes acting in mode 'eval': the task policy's sample, or its mode with
+    eval_sample False (episodes still running at the end are dropped)."""
     finished = []
     collector = Collector(env_list, None, directory, finished.append)
     policy = functools.partial(agent.policy, mode="eval")
@@ -963,7 +1325,10 @@ def log_evaluation(logger, episodes, config):
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
     """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
-    state = tools.load_checkpoint(logdir / "latest.pt", config.device)
+    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device)
+    for note in notes:
+        print(f"WARNING: {note}", flush=True)
+    check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = run_episodes(agent, eval_envs, config.eval_episode_num, None)
     returns = [episode_stats(e)["return"] for e in episodes]
@@ -987,6 +1352,45 @@ def write_mp4(path, frames, fps=30):
     os.replace(tmp, path)
 
 
+def usage():
+    """--help: how to call the script, and the presets to start from."""
+    presets = [name for name in load_presets() if name != "defaults"]
+    return "\n".join([
+        "usage: python3 dreamer.py [--configs PRESET ...] --logdir DIR [--KEY VALUE ...]",
+        "",
+        __doc__.strip().splitlines()[0],
+        "",
+        "Presets (merged in the order given, over `defaults`): " + ", ".join(presets),
+        f"Every key of {CONFIG_FILE.name} is a flag: --task dmc_walker_walk, --actor.lr 1e-4, --size 64,64;",
+        "a boolean flag alone means True. Rerunning the same command resumes the run in --logdir.",
+    ])
+
+
+def check_logdir(logdir):
+    """The logdir must be a folder, or creatable, and writable: probed with a temporary file that
+    is removed again, because permission bits say nothing for root or read-only mounts."""
+    if logdir.exists() and not logdir.is_dir():
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: it is a file, not a folder")
+    existing = next(p for p in (logdir, *logdir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: cannot write in {existing} "
+                          f"({e.strerror or e})") from None
+
+
+def check_offline_traindir(config):
+    if not config.offline_traindir:
+        return
+    folder = pathlib.Path(config.offline_traindir).expanduser()
+    if not folder.is_dir() or not any(folder.glob("*.npz")):
+        raise ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: "
+                          f"{'no episode files (*.npz) in it' if folder.is_dir() else 'no such folder'}")
+
+
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written."""
     config = parse(sys.argv[1:] if argv is None else argv)
@@ -994,30 +1398,48 @@ def setup(argv):
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     envs.check_task(config.task)
     logdir = pathlib.Path(config.logdir).expanduser()
+    check_logdir(logdir)
+    check_offline_traindir(config)
     warnings_ = []
     if (logdir / "config.yaml").exists():
         warnings_ = compare_saved_config(config, logdir / "config.yaml")
-    check_asynchronous(config)
-    if config.eval_only and not (logdir / "latest.pt").exists():
-        raise ConfigError(f"--eval_only needs a checkpoint, but {logdir / 'latest.pt'} does not exist")
+    checkpoint = logdir / "latest.pt"
+    if config.eval_only and not (checkpoint.exists() or tools.previous_path(checkpoint).exists()):
+        raise ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     return config, logdir, resolve_device(config), warnings_
 
 
-def check_asynchronous(config):
-    if config.asynchronous and config.offline_traindir and not config.eval_only:
-        raise ConfigError("--asynchronous needs environments for its actor, but --offline_traindir trains on a "
-                          "folder and collects nothing; drop --asynchronous (offline training is one loop)")
-    if config.ratio_tolerance < 1:
-        raise ConfigError(f"Invalid value '{config.ratio_tolerance}' for --ratio_tolerance: expected at least 1 "
-                          "(updates; below one the learner and the actor can wait on each other for ever)")
-    if config.actor_sync_every < 1:
-        raise ConfigError(f"Invalid value '{config.actor_sync_every}' for --actor_sync_every: expected at least 1")
-
-
 def main(argv=None):
+    """Parse, build, train; Ctrl-C and SIGTERM save and end without a traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return None
+    previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        return run(argv)
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
+        print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
+        sys.exit(143 if isinstance(e, Interrupted) else 130)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
+        fail(str(e))
+    # One run per logdir, held until this process ends. A logdir that exists may be in use: check
+    # before building anything; a new one is locked once created. --eval_only only reads, so it
+    # may run beside training.
+    try:
+        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only else None
+    except tools.LogdirBusy as e:
         fail(str(e))
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
@@ -1031,7 +1453,6 @@ def main(argv=None):
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
-        check_spaces(config, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
     except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
@@ -1039,11 +1460,17 @@ def main(argv=None):
             env.close()
         fail(str(e).strip().splitlines()[-1])
     try:
-        if config.eval_only:
-            return evaluate_checkpoint(config, agent, logdir, eval_envs)
-        logdir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+        try:
+            if config.eval_only:
+                return evaluate_checkpoint(config, agent, logdir, eval_envs)
+            logdir.mkdir(parents=True, exist_ok=True)
+            lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+        except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
+            fail(str(e))
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None), flush=True)
+        for line in trainer.notes:
+            print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
         save_config(config, logdir / "config.yaml")

@@ -16,6 +16,8 @@ class Optimizer:
     Metrics stay tensors so that an update never waits on the device.
     """
 
+    SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
+
     def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False):
         self.name, self.clip = name, clip
         self.params = [p for p in params if p.requires_grad]
@@ -40,8 +42,19 @@ class Optimizer:
         return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state):
+        """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
+        a user who changed them on resume means them. Returns one line per setting that differs
+        from the saved one."""
+        settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
+        changes = []
+        for group, current in zip(self.opt.param_groups, settings):
+            for key, value in current.items():
+                if group[key] != value:
+                    changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")
+                group[key] = value
+        return changes
 
 
 @contextlib.contextmanager
@@ -282,7 +295,9 @@ class ActorCritic(nn.Module):
                 returns = lambda_return(reward, cont[1:], value[1:], config.discount, config.discount_lambda)
             with profiled("actor"):  # includes the backward pass through the imagined trajectories
                 policy = self.actor.dist(policy_out[:-1])
-                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())
+                # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
+                # also flows through v(s_t) of the imagined states (into the actor only).
+                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
                 metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
             with profiled("critic"):
                 critic_dist = self.critic.dist(critic_out[:-1])
@@ -297,21 +312,21 @@ class ActorCritic(nn.Module):
     def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
         """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
 
-        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given.
+        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
+        the dynamics gradient flows through both the returns and the base.
         """
         config = self.config
         if policy is None:
             policy = self.actor(feat[:-1].detach())
         if base is None:
-            with torch.no_grad():
-                base = self.critic(feat[:-1].detach()).mean()
+            base = self.critic(feat[:-1]).mean()
         if self.return_norm is not None:
             offset, scale = self.return_norm(returns)
         else:
             offset, scale = returns.new_zeros(()), returns.new_ones(())
         normed_returns = (returns - offset) / scale
         advantage = normed_returns - (base - offset) / scale
-        dynamics = -normed_returns
+        dynamics = -advantage  # v1's backprop loss: the baseline is not stop-gradded
         reinforce = -policy.log_prob(action[:-1].detach()) * advantage.detach()
         if config.imag_gradient == "dynamics":
             loss = dynamics
@@ -355,5 +370,5 @@ class ActorCritic(nn.Module):
         return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
 
     def load_optimizer_state(self, state):
-        self.actor_opt.load_state_dict(state["actor"])
-        self.critic_opt.load_state_dict(state["critic"])
+        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
+        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])
