@@ -1215,6 +1215,8 @@ class AsyncLoop:
             self.schedule.sampled()
             if trainer.counters.updates - self.synced >= config.actor_sync_every:
                 self.sync_actor()
+            if self.threads is not None:
+                self.balance_threads()
         if self.error is not None:
             raise self.error
 
@@ -1229,6 +1231,7 @@ class AsyncLoop:
             self.restore_threads = torch.get_num_threads()
             cores = min(self.restore_threads, len(os.sched_getaffinity(0)))
             self.threads = {"shared": max(1, cores - 1), "alone": cores, "mark": (time.perf_counter(), 0.0)}
+            torch.set_num_threads(self.threads["shared"])
         self.sync_actor()
         print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
               f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
@@ -1263,16 +1266,16 @@ class AsyncLoop:
         with self.policy_lock:
             self.actor.load_state_dict(self.trainer.agent.state_dict())
         self.synced = self.trainer.counters.updates
-        if self.threads is not None:
-            self.balance_threads()
 
     def balance_threads(self):
-        """CPU: the learner takes every core while the actor spent most of the time since the last
-        sync waiting for it (the environments are idle then), and leaves it one core otherwise."""
+        """CPU, after each update: the learner takes every core while the actor spent most of the
+        last half second or more waiting for it (the environments are idle then), else all but one."""
         now, waited = time.perf_counter(), self.trainer.stopwatch.seconds["env_wait"]
         then, before = self.threads["mark"]
+        if now - then < 0.5:
+            return
         self.threads["mark"] = (now, waited)
-        alone = (waited - before) / max(now - then, 1e-9) > 0.5
+        alone = (waited - before) / (now - then) > 0.5
         torch.set_num_threads(self.threads["alone" if alone else "shared"])
 
     def between_steps(self):

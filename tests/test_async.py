@@ -3,6 +3,7 @@ and real debug runs: the train ratio held (counted), every collected step in rep
 a killed worker, Ctrl-C."""
 
 import collections
+import gc
 import json
 import os
 import pathlib
@@ -192,6 +193,7 @@ def test_async_run_resumes_its_counters_and_limiter(async_run):
     logdir, _ = async_run
     saved = torch.load(logdir / "latest.pt", weights_only=False)
     seen, train = {}, dreamer.Trainer.train
+    gc.collect()  # the first run's logdir lock goes with its last reference (main's frame, in a cycle)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dreamer.Trainer, "train", lambda self: (seen.update(
             counters=dict(vars(self.counters)), limiter=self.schedules["train"].state_dict()), train(self))[1])
