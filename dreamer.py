@@ -1181,9 +1181,8 @@ class AsyncLoop:
     one batched call of a copy of the policy, refreshed every `actor_sync_every` updates.
 
     A `tools.SamplesPerInsert` limiter holds the train ratio within `ratio_tolerance` updates: the
-    learner waits when it runs ahead, the actor when the learner falls behind. On a CPU the actor
-    thread gets one torch thread and the learner the other cores, or all of them while the actor
-    mostly waits for the learner (README, Asynchronous training).
+    learner waits when it runs ahead, the actor when the learner falls behind. The actor thread uses
+    one torch thread; the learner keeps its own (README, Asynchronous training).
     """
 
     waits = ("learner_wait", "env_wait")
@@ -1197,7 +1196,7 @@ class AsyncLoop:
         self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
         self.policy_lock = threading.Lock()  # the actor's weights change only between its policy calls
         self.thread = self.actor = self.error = None
-        self.synced = self.restore_threads = self.threads = None
+        self.synced = None
 
     def run(self):
         trainer, config = self.trainer, self.trainer.config
@@ -1215,8 +1214,6 @@ class AsyncLoop:
             self.schedule.sampled()
             if trainer.counters.updates - self.synced >= config.actor_sync_every:
                 self.sync_actor()
-            if self.threads is not None:
-                self.balance_threads()
         if self.error is not None:
             raise self.error
 
@@ -1225,13 +1222,6 @@ class AsyncLoop:
         env = trainer.train_envs[0]
         self.actor = Dreamer(env.obs_space, env.act_space, Config({**config.to_dict(), "compile": False}))
         self.actor.to(config.device).requires_grad_(False)
-        if torch.device(config.device).type == "cpu":
-            # Intra-op threads are set per thread: the actor (the policy on a few observations) takes
-            # one, the learner the other cores, so that the two sides do not fight over the same ones.
-            self.restore_threads = torch.get_num_threads()
-            cores = min(self.restore_threads, len(os.sched_getaffinity(0)))
-            self.threads = {"shared": max(1, cores - 1), "alone": cores, "mark": (time.perf_counter(), 0.0)}
-            torch.set_num_threads(self.threads["shared"])
         self.sync_actor()
         print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
               f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
@@ -1242,6 +1232,9 @@ class AsyncLoop:
     def act(self):
         """The actor thread: step all environments while the limiter allows, until `steps` frames."""
         trainer, config = self.trainer, self.trainer.config
+        # Intra-op threads are set per thread: the policy on a few observations gets one, and the
+        # learner keeps all of its own. (Changing the learner's count mid-run measured 1.5x slower
+        # updates on 2 cores: benchmarks/wall_clock.py, README Asynchronous training.)
         torch.set_num_threads(1)
         try:
             while not self.stop.is_set() and trainer.frames < config.steps:
@@ -1266,18 +1259,6 @@ class AsyncLoop:
         with self.policy_lock:
             self.actor.load_state_dict(self.trainer.agent.state_dict())
         self.synced = self.trainer.counters.updates
-
-    def balance_threads(self):
-        """CPU, after each update: the learner takes every core while the actor spent most of the
-        last half second or more waiting for it (the environments are idle then), else all but one."""
-        now, waited = time.perf_counter(), self.trainer.stopwatch.seconds["env_wait"]
-        then, before = self.threads["mark"]
-        if now - then < 0.5:
-            return
-        self.threads["mark"] = (now, waited)
-        alone = (waited - before) / (now - then) > 0.5
-        torch.set_num_threads(self.threads["alone" if alone else "shared"])
-
     def between_steps(self):
         return self.step_lock
 
@@ -1290,8 +1271,6 @@ class AsyncLoop:
         self.schedule.close()
         if self.thread is not None:
             self.thread.join()
-        if self.restore_threads is not None:
-            torch.set_num_threads(self.restore_threads)
 
 
 LOOPS = {False: SyncLoop, True: AsyncLoop}  # by config.asynchronous
