@@ -91,6 +91,7 @@ class WorldModel(nn.Module):
         for name in config.grad_heads:
             if name not in self.heads:
                 raise ValueError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
+        networks.reinit(self, config.winit)
         self.loss_scales = {"reward": config.reward_head.loss_scale, "cont": config.cont_head.loss_scale}
         self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
                                    config.weight_decay, config.opt, use_scaler=use_scaler(config))
@@ -221,6 +222,8 @@ class ActorCritic(nn.Module):
             raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: symlog_disc, symlog_mse")
         self.critic = networks.Head(feat, (), critic.layers, config.units, config.act, config.norm,
                                     critic.dist, critic.outscale)
+        networks.reinit(self.actor, config.winit)
+        networks.reinit(self.critic, config.winit)
         self.slow_critic = copy.deepcopy(self.critic).requires_grad_(False)
         self.return_norm = ReturnNorm() if config.reward_EMA else None
         if config.imag_gradient not in ("dynamics", "reinforce", "both"):

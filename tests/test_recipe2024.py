@@ -1,0 +1,238 @@
+"""The 2024 recipe's pieces (`recipe2024` preset): each against a plain reference written here in
+numpy, and each config key that switches it on against the v1 behaviour it replaces."""
+
+import copy
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import dreamer  # noqa: E402
+import networks  # noqa: E402
+
+PRESETS = dreamer.load_presets()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_config(*flags, configs=("debug",)):
+    return dreamer.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def to_np(x):
+    return x.detach().double().numpy()
+
+
+def np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def np_silu(x):
+    return x * np_sigmoid(x)
+
+
+def np_rmsnorm(x, scale, eps=1e-4):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * scale
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm, the norm key and the weight initialisation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_matches_the_formula_and_has_only_a_scale():
+    norm = networks.RMSNorm(6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 6))
+    x = torch.randn(4, 6, generator=gen(0)) * 3
+    np.testing.assert_allclose(to_np(norm(x)), np_rmsnorm(to_np(x), to_np(norm.weight)), rtol=1e-5)
+    assert [name for name, _ in norm.named_parameters()] == ["weight"]
+    tiny = torch.full((1, 6), 1e-3)  # eps 1e-4 dominates mean(x^2) = 1e-6
+    np.testing.assert_allclose(to_np(norm(tiny)), np_rmsnorm(to_np(tiny), to_np(norm.weight)), rtol=1e-5)
+
+
+def test_channel_rmsnorm_normalises_over_channels():
+    norm = networks.channel_norm("rms", 3)
+    x = torch.randn(2, 3, 4, 5, generator=gen(1))
+    want = np_rmsnorm(to_np(x).transpose(0, 2, 3, 1), np.ones(3)).transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(to_np(norm(x)), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm, norm_type, bias", [("layer", nn.LayerNorm, False), ("rms", networks.RMSNorm, True),
+                                                   ("none", None, True)])
+def test_norm_key_chooses_the_norm_of_every_hidden_layer(norm, norm_type, bias):
+    config = make_config("--norm", norm, "--encoder.norm", norm, "--decoder.norm", norm)
+    agent = dreamer.Dreamer(*spaces(), config)
+    mlp = agent.task_behavior.critic.mlp.net
+    linear = mlp[0]
+    assert (linear.bias is not None) == bias
+    if norm_type is None:
+        assert isinstance(mlp[1], nn.SiLU)
+    else:
+        assert type(mlp[1]) is norm_type
+    norms = [m for m in agent.modules() if isinstance(m, (nn.LayerNorm, networks.RMSNorm))]
+    assert (len(norms) > 0) == (norm_type is not None)
+    assert all(isinstance(m, norm_type) for m in norms)
+    # Linear -> norm -> SiLU, checked on one block against the plain formula.
+    if norm == "rms":
+        x = torch.randn(5, linear.in_features, generator=gen(2))
+        h = to_np(x) @ to_np(linear.weight).T + to_np(linear.bias)
+        np.testing.assert_allclose(to_np(mlp[2](mlp[1](linear(x)))), np_silu(np_rmsnorm(h, 1.0)), rtol=1e-4,
+                                   atol=1e-6)
+
+
+def spaces():
+    import gymnasium
+    obs = {"vec": gymnasium.spaces.Box(-np.inf, np.inf, (5,), dtype=np.float32),
+           "image": gymnasium.spaces.Box(0, 255, (16, 16, 3), dtype=np.uint8)}
+    obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
+    return obs, gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32)
+
+
+def test_winit_fan_in_draws_std_outscale_over_sqrt_fan_in():
+    layer = networks.init_(nn.Linear(400, 300), 0.5)
+    torch.manual_seed(0)
+    networks.reinit(layer, "fan_in")
+    w = to_np(layer.weight)
+    assert np.abs(w).max() <= 2 * 0.5 / np.sqrt(400) / 0.8796 + 1e-6  # truncated at two stds
+    assert w.std() == pytest.approx(0.5 / np.sqrt(400), rel=0.03)
+    torch.manual_seed(0)
+    avg = networks.init_(nn.Linear(400, 300), 0.5)
+    assert to_np(avg.weight).std() == pytest.approx(np.sqrt(0.5 / 350), rel=0.03)
+
+
+@pytest.mark.parametrize("winit", ["fan_avg", "fan_in"])
+def test_winit_key_sets_the_policy_and_value_output_scales(winit):
+    config = make_config("--winit", winit, "--actor.outscale", "0.01", "--units", "256")
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(*spaces(), config)
+    out = to_np(agent.task_behavior.actor.out.weight)
+    fan_in = agent.task_behavior.actor.out.in_features
+    if winit == "fan_in":
+        assert out.std() == pytest.approx(0.01 / np.sqrt(fan_in), rel=0.15)
+    else:
+        fan_out = agent.task_behavior.actor.out.out_features
+        assert out.std() == pytest.approx(np.sqrt(0.01 / ((fan_in + fan_out) / 2)), rel=0.15)
+    assert not agent.task_behavior.critic.out.weight.any()  # outscale 0 stays exactly zero
+    assert not agent.wm.heads["reward"].out.weight.any()
+    hidden = agent.task_behavior.critic.mlp.net[0]
+    want = 1 / np.sqrt(hidden.in_features) if winit == "fan_in" else np.sqrt(2 / (hidden.in_features + 256))
+    assert to_np(hidden.weight).std() == pytest.approx(want, rel=0.1)
+    slow = agent.task_behavior.slow_critic.mlp.net[0]
+    torch.testing.assert_close(slow.weight, hidden.weight)  # the slow critic starts as a copy
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-diagonal GRU
+# ----------------------------------------------------------------------------------------------
+
+
+def test_block_linear_equals_a_block_diagonal_dense_layer():
+    layer = networks.BlockLinear(12, 8, 4)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(8, generator=gen(3)))
+    x = torch.randn(5, 12, generator=gen(4))
+    dense = np.zeros((12, 8))
+    w = to_np(layer.weight)  # (blocks, 3, 2)
+    for g in range(4):
+        dense[3 * g:3 * g + 3, 2 * g:2 * g + 2] = w[g]
+    np.testing.assert_allclose(to_np(layer(x)), to_np(x) @ dense + to_np(layer.bias), rtol=1e-5, atol=1e-6)
+    assert sum(p.numel() for p in layer.parameters()) == 4 * 3 * 2 + 8
+
+
+def np_block_gru(cell, stoch, action, h):
+    """The block GRU step written out: scaled action, three input layers, per-block hidden and gates."""
+    def dense(seq, x):
+        lin, norm = seq[0], seq[1]
+        return np_silu(np_rmsnorm(x @ to_np(lin.weight).T + to_np(lin.bias), to_np(norm.weight)))
+
+    def block(layer, x):
+        g = layer.blocks
+        w = to_np(layer.weight)
+        parts = x.reshape(len(x), g, -1)
+        return np.concatenate([parts[:, i] @ w[i] for i in range(g)], -1) + to_np(layer.bias)
+
+    blocks, deter = cell.blocks, cell.deter
+    action = action / np.maximum(1.0, np.abs(action))
+    embed = np.concatenate([dense(cell.deter_in, h), dense(cell.stoch_in, stoch), dense(cell.action_in, action)], -1)
+    size = deter // blocks
+    x = np.concatenate([np.concatenate([h[:, i * size:(i + 1) * size], embed], -1) for i in range(blocks)], -1)
+    x = np_silu(np_rmsnorm(block(cell.hidden, x), to_np(cell.hidden_norm.weight)))
+    gates = block(cell.gates, x).reshape(len(x), blocks, 3, size)
+    reset, cand, update = (gates[:, :, i].reshape(len(x), deter) for i in range(3))
+    cand = np.tanh(np_sigmoid(reset) * cand)
+    update = np_sigmoid(update - 1)
+    return update * cand + (1 - update) * h
+
+
+def test_block_gru_cell_matches_the_written_out_step():
+    torch.manual_seed(0)
+    cell = networks.BlockGRUCell(6, 2, 5, 8, 4, "SiLU", "rms")
+    with torch.no_grad():
+        for p in cell.parameters():  # nonzero biases and scales, so that each one is checked
+            p.add_(0.1 * torch.randn(p.shape, generator=gen(5)))
+    stoch = torch.randn(3, 6, generator=gen(6))
+    action = torch.randn(3, 2, generator=gen(7)) * 3  # some beyond [-1, 1]: scaled back
+    h = torch.randn(3, 8, generator=gen(8))
+    got = cell(torch.cat([stoch, action], -1), h)
+    want = np_block_gru(cell, to_np(stoch), to_np(action), to_np(h))
+    np.testing.assert_allclose(to_np(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_gru_hidden_layer_keeps_each_block_to_its_own_part_of_the_state():
+    torch.manual_seed(0)
+    cell = networks.BlockGRUCell(6, 2, 5, 8, 4, "SiLU", "rms")
+    h = torch.randn(8, generator=gen(10))
+    # Input of the hidden BlockLinear: per block its 2 state units and the shared 15-unit embedding.
+    embed = torch.zeros(4, 15)
+    hidden = lambda h: cell.hidden(torch.cat([h.reshape(4, 2), embed], -1).flatten())  # noqa: E731
+    jac = torch.autograd.functional.jacobian(hidden, h)
+    for g in range(4):
+        outside = torch.ones(8, dtype=bool)
+        outside[2 * g:2 * g + 2] = False
+        assert not jac[2 * g:2 * g + 2, outside].any()
+        assert jac[2 * g:2 * g + 2, ~outside].abs().sum() > 0
+
+
+@pytest.mark.parametrize("cell", ["gru", "blockgru"])
+def test_dyn_cell_chooses_the_recurrent_cell(cell):
+    config = make_config("--dyn_cell", cell, "--dyn_blocks", "4", "--norm", "rms")
+    agent = dreamer.Dreamer(*spaces(), config)
+    rssm = agent.wm.rssm
+    want = networks.BlockGRUCell if cell == "blockgru" else networks.GRUCell
+    assert type(rssm.cell) is want
+    if cell == "blockgru":
+        assert rssm.cell.blocks == 4 and rssm.cell.gates.blocks == 4
+        assert isinstance(rssm.img_in, nn.Identity)
+    state = rssm.initial(2)
+    action = torch.ones(2, 3)
+    with torch.no_grad():
+        prior = rssm.img_step(state, action)
+        want_deter = rssm.cell(torch.cat([state["stoch"].flatten(1), action], -1) if cell == "blockgru"
+                               else rssm.img_in(torch.cat([state["stoch"].flatten(1), action], -1)), state["deter"])
+    torch.testing.assert_close(prior["deter"], want_deter)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_dyn_img_layers_is_the_depth_of_the_prior(layers):
+    config = make_config("--dyn_img_layers", str(layers))
+    rssm = dreamer.Dreamer(*spaces(), config).wm.rssm
+    linears = [m for m in rssm.img_out if isinstance(m, nn.Linear)]
+    assert len(linears) == layers
+    assert linears[0].in_features == config.dyn_deter
+    assert all(m.out_features == config.dyn_hidden for m in linears)
