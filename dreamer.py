@@ -37,7 +37,7 @@ CONFIG_FILE = pathlib.Path(__file__).parent / "configs.yaml"
 CHOICES = {
     "precision": (16, 32),
     "act": tuple(networks.ACTIVATIONS),
-    "opt": ("adam", "adamw"),
+    "opt": tuple(models.OPTIMIZERS),
     "initial": ("learned", "zeros"),
     "norm": networks.NORMS,
     "encoder.norm": networks.NORMS,

@@ -95,7 +95,8 @@ class Plan2Explore(nn.Module):
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
                                  config.disag_units, config.act)
         self.optimizer = models.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
-                                          config.opt_eps, config.grad_clip, opt=config.opt)
+                                          config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
+                                          warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
         self.reward_stats = {}
 

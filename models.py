@@ -10,20 +10,74 @@ from torch import nn
 import networks
 
 
-class Optimizer:
-    """Adam(W) with gradient-norm clipping and, for float16, a gradient scaler.
+class LaProp(torch.optim.Optimizer):
+    """LaProp (Ziyin et al. 2020), the 2024 recipe's optimizer: each gradient is divided by the
+    root of its bias-corrected second-moment EMA first, and the momentum averages these
+    normalised steps (Adam averages the raw gradients, then divides):
 
-    Metrics stay tensors so that an update never waits on the device.
+        nu = b2 nu + (1 - b2) g^2,   u = g / (sqrt(nu / (1 - b2^t)) + eps),
+        mu = b1 mu + (1 - b1) u,     p -= lr (mu / (1 - b1^t) + weight_decay p).
     """
 
-    def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False):
-        self.name, self.clip = name, clip
+    def __init__(self, params, lr, eps=1e-20, betas=(0.9, 0.999), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["nu"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["mu"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t, grad = state["step"], p.grad.float()
+                state["nu"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                scaled = grad / ((state["nu"] / (1 - beta2 ** t)).sqrt() + group["eps"])
+                state["mu"].mul_(beta1).add_(scaled, alpha=1 - beta1)
+                update = state["mu"] / (1 - beta1 ** t)
+                if group["weight_decay"]:
+                    update = update + group["weight_decay"] * p
+                p.sub_((group["lr"] * update).to(p.dtype))
+
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "laprop": LaProp}
+
+
+def agc_(params, clip, floor=1e-3):
+    """Adaptive gradient clipping, per tensor: scale each gradient down to at most
+    clip * max(floor, |param|) in L2 norm (the 2024 recipe, with clip 0.3)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        upper = clip * torch.clamp(torch.linalg.vector_norm(p.detach()), min=floor)
+        p.grad.mul_(1 / torch.clamp(torch.linalg.vector_norm(p.grad) / upper, min=1.0))
+
+
+class Optimizer:
+    """Adam(W) or LaProp with global gradient-norm clipping and/or per-tensor adaptive clipping,
+    an optional linear learning-rate warm-up and, for float16, a gradient scaler.
+
+    clip 0 turns the global clip off (its norm is still reported); agc 0 turns adaptive clipping
+    off; warmup is the number of updates over which the learning rate rises linearly from 0 (the
+    first update has rate 0, as in the official code). Metrics stay tensors so that an update
+    never waits on the device.
+    """
+
+    def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False, agc=0.0,
+                 warmup=0):
+        self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
         self.params = [p for p in params if p.requires_grad]
-        if opt not in ("adam", "adamw"):
-            raise ValueError(f"Unknown opt '{opt}'; valid: adam, adamw")
-        cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
-        self.opt = cls(self.params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
+        if opt not in OPTIMIZERS:
+            raise ValueError(f"Unknown opt '{opt}'; valid: {', '.join(OPTIMIZERS)}")
+        kwargs = {"foreach": True} if opt != "laprop" else {}
+        self.opt = OPTIMIZERS[opt](self.params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
+        self.updates = 0  # for the warm-up; saved in state_dict
 
     def __call__(self, loss, retain_graph=False):
         """Backpropagate `loss` into this optimizer's parameters only (no gradient is computed for
@@ -31,17 +85,24 @@ class Optimizer:
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward(inputs=self.params, retain_graph=retain_graph)
         self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip or float("inf"), foreach=True)
+        if self.agc:
+            agc_(self.params, self.agc)
+        if self.warmup:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * min(1.0, self.updates / self.warmup)
         self.scaler.step(self.opt)
         self.scaler.update()
+        self.updates += 1
         return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": norm.detach()}
 
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state):
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
+        self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
 
 
 @contextlib.contextmanager
@@ -94,7 +155,8 @@ class WorldModel(nn.Module):
         networks.reinit(self, config.winit)
         self.loss_scales = {"reward": config.reward_head.loss_scale, "cont": config.cont_head.loss_scale}
         self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler=use_scaler(config))
+                                   config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
+                                   warmup=config.warmup)
 
     def preprocess(self, obs):
         """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
@@ -229,10 +291,11 @@ class ActorCritic(nn.Module):
         if config.imag_gradient not in ("dynamics", "reinforce", "both"):
             raise ValueError(f"Unknown imag_gradient '{config.imag_gradient}'; valid: dynamics, reinforce, both")
         scaler = use_scaler(config)
+        schedule = {"agc": config.agc, "warmup": config.warmup}
         self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
-                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler)
-        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr,
-                                    config.critic.eps, config.critic.grad_clip, opt=config.opt, use_scaler=scaler)
+                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
+        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr, config.critic.eps,
+                                    config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
     def imagine(self, start):

@@ -236,3 +236,82 @@ def test_dyn_img_layers_is_the_depth_of_the_prior(layers):
     assert len(linears) == layers
     assert linears[0].in_features == config.dyn_deter
     assert all(m.out_features == config.dyn_hidden for m in linears)
+
+
+# ----------------------------------------------------------------------------------------------
+# LaProp, adaptive gradient clipping and the warm-up
+# ----------------------------------------------------------------------------------------------
+
+
+def np_laprop_agc(params, grads, lr, warmup, agc, eps=1e-20, b1=0.9, b2=0.999):
+    """The 2024 recipe's update written out per tensor: AGC, RMS scaling, then momentum, lr ramp."""
+    params = [p.copy() for p in params]
+    nu = [np.zeros_like(p) for p in params]
+    mu = [np.zeros_like(p) for p in params]
+    for t, step_grads in enumerate(grads, 1):
+        rate = lr * min(1.0, (t - 1) / warmup)
+        for i, (p, g) in enumerate(zip(params, step_grads)):
+            upper = agc * max(1e-3, np.sqrt((p ** 2).sum()))
+            g = g / max(1.0, np.sqrt((g ** 2).sum()) / upper)
+            nu[i] = b2 * nu[i] + (1 - b2) * g ** 2
+            u = g / (np.sqrt(nu[i] / (1 - b2 ** t)) + eps)
+            mu[i] = b1 * mu[i] + (1 - b1) * u
+            params[i] = p - rate * mu[i] / (1 - b1 ** t)
+    return params
+
+
+def test_laprop_with_agc_and_warmup_matches_the_written_out_update():
+    import models
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)),
+              nn.Parameter(torch.zeros(5, dtype=torch.float64))]  # |param| 0: the floor 1e-3 bounds the step
+    start = [to_np(p).copy() for p in params]  # a copy: numpy shares a float64 tensor's memory
+    opt = models.Optimizer("x", params, lr=0.1, eps=1e-20, clip=0, opt="laprop", agc=0.3, warmup=2)
+    assert isinstance(opt.opt, models.LaProp)
+    grads = []
+    for step in range(4):
+        coeffs = [torch.randn(p.shape, generator=gen(20 + step), dtype=torch.float64) * (10 ** step) for p in params]
+        # The gradient of sum(c * p^2 / 2 + c * p) is c * (p + 1): it depends on where the parameters are.
+        grads.append([to_np(c) * (to_np(p) + 1) for c, p in zip(coeffs, params)])  # (p + 1) is a new array
+        opt(sum((c * (p ** 2 / 2 + p)).sum() for c, p in zip(coeffs, params)))
+    want = np_laprop_agc(start, grads, 0.1, 2, 0.3)
+    np.testing.assert_allclose(to_np(params[0]), want[0], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(to_np(params[1]), want[1], rtol=1e-6, atol=1e-9)
+    assert opt.updates == 4 and opt.state_dict()["updates"] == 4
+
+
+def test_laprop_first_update_has_rate_zero_and_second_steps_lr():
+    import models
+    p = nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = models.Optimizer("x", [p], lr=0.5, eps=1e-20, clip=0, opt="laprop", warmup=1)
+    opt((p * torch.tensor([3.0, -1.0])).sum())
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0, -2.0]))
+    opt((p * torch.tensor([3.0, -1.0])).sum())
+    # Constant gradient: u = sign(g) and the bias-corrected momentum is exactly sign(g).
+    torch.testing.assert_close(p.detach(), torch.tensor([0.5, -1.5]))
+
+
+def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
+    import models
+    config = make_config("--opt", "laprop", "--agc", "0.3", "--warmup", "3", "--grad_clip", "0",
+                         "--actor.grad_clip", "0", "--critic.grad_clip", "0", "--expl_behavior", "plan2explore")
+    agent = dreamer.Dreamer(*spaces(), config)
+    optimizers = [agent.wm.optimizer, agent.task_behavior.actor_opt, agent.task_behavior.critic_opt,
+                  agent.expl_behavior.optimizer]
+    for opt in optimizers:
+        assert isinstance(opt.opt, models.LaProp) and opt.agc == 0.3 and opt.warmup == 3
+    opt = agent.task_behavior.critic_opt
+    coeffs = [torch.randn(p.shape, generator=gen(30)) * 1e3 for p in opt.params]
+    rates = []
+    for _ in range(4):
+        before = [p.detach().clone() for p in opt.params]
+        metrics = opt(sum((c * p).sum() for c, p in zip(coeffs, opt.params)))
+        rates.append(opt.opt.param_groups[0]["lr"])
+    assert rates == pytest.approx([0.0, config.critic.lr / 3, 2 * config.critic.lr / 3, config.critic.lr])
+    norm = float(torch.sqrt(sum((c.double() ** 2).sum() for c in coeffs)))
+    assert metrics["critic_grad_norm"].item() == pytest.approx(norm, rel=1e-4)  # no global clip
+    for c, p, old in zip(coeffs, opt.params, before):  # each tensor clipped to 0.3 max(1e-3, |p|) on its own
+        bound = 0.3 * max(1e-3, float(torch.linalg.vector_norm(old)))
+        torch.testing.assert_close(p.grad, c * min(1.0, bound / float(torch.linalg.vector_norm(c))))
+    default = dreamer.Dreamer(*spaces(), make_config())
+    assert type(default.wm.optimizer.opt) is torch.optim.Adam and default.wm.optimizer.agc == 0
