@@ -192,13 +192,29 @@ class WorldModel(nn.Module):
             elif name == "reward":
                 losses["reward"] = -pred.log_prob(data["reward"]) * self.loss_scales["reward"]
             else:
-                losses["cont"] = -pred.log_prob(data["cont"][..., None]) * self.loss_scales["cont"]
+                target = self.cont_target(data["cont"])[..., None]
+                losses["cont"] = -pred.log_prob(target) * self.loss_scales["cont"]
         loss = (sum(losses.values()) + kl).mean()
         metrics = {f"{k}_loss": v.detach().mean() for k, v in losses.items()}
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
                        post_entropy=self.rssm.dist(post).entropy().detach().mean())
         return loss, post, embed, metrics
+
+    def cont_target(self, cont):
+        """What the continue head learns from cont = 1 - terminal (B, T): the flag itself, or with
+        cont_head.contdisc the discount it implies, cont * discount (the 2024 recipe)."""
+        return cont * self.config.discount if self.config.cont_head.contdisc else cont
+
+    def imagined_cont(self, feat, start_cont):
+        """Continue weights (H+1, N) of an imagined trajectory feat (H+1, N, F) and the discount
+        to apply on top of them. The paper's: the replayed flag at the start, the head's 0/1 mode
+        after it, times `discount`. With contdisc: the head's probability at every step, which
+        already is the discount, so none on top."""
+        head = self.heads["cont"]
+        if self.config.cont_head.contdisc:
+            return head(feat).mean()[..., 0], 1.0
+        return torch.cat([start_cont[None], head(feat[1:]).mode()[..., 0]], 0), self.config.discount
 
     def train_step(self, data):
         """One world-model update; returns the detached posterior and embedding (B, T, ...)."""
@@ -225,6 +241,9 @@ class WorldModel(nn.Module):
         truth = data[key]
         error = (model - truth + 1) / 2
         return torch.cat([truth, model, error], 2).float().cpu().numpy()
+
+
+VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
 
 
 def use_scaler(config):
@@ -280,8 +299,8 @@ class ActorCritic(nn.Module):
         actor_config.units = config.units
         self.actor = networks.Actor(feat, act_space.shape[0], actor_config, config.act, config.norm)
         critic = config.critic
-        if critic.dist not in ("symlog_disc", "symlog_mse"):
-            raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: symlog_disc, symlog_mse")
+        if critic.dist not in VALUE_DISTS:
+            raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: {', '.join(VALUE_DISTS)}")
         self.critic = networks.Head(feat, (), critic.layers, config.units, config.act, config.norm,
                                     critic.dist, critic.outscale)
         networks.reinit(self.actor, config.winit)
@@ -335,17 +354,17 @@ class ActorCritic(nn.Module):
                 feat, state, action, policy_out = self.imagine(start)
                 # Rewards of the states reached, steps 1..H: (H, N).
                 reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
-                with torch.no_grad():  # the continue flags carry no gradient (Bernoulli mode)
-                    cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
+                with torch.no_grad():  # the continue flags carry no gradient
+                    cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
                 # The weight discounts losses of states the model believes lie past an episode end.
-                weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
+                weight = (torch.cumprod(discount * cont, 0) / discount).detach()
                 # One critic pass serves both losses: its values bootstrap the returns (the actor's
                 # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
                 # are what the critic loss trains. Each optimizer backpropagates into its own
                 # parameters only, so neither loss leaks into the other network.
                 critic_out = self.critic.raw(feat)  # (H+1, N, bins)
                 value = self.critic.dist(critic_out).mean()  # (H+1, N)
-                returns = lambda_return(reward, cont[1:], value[1:], config.discount, config.discount_lambda)
+                returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
             with profiled("actor"):  # includes the backward pass through the imagined trajectories
                 policy = self.actor.dist(policy_out[:-1])
                 actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())

@@ -166,10 +166,11 @@ class MLP(nn.Module):
 class Head(nn.Module):
     """MLP followed by an output layer that parameterises a distribution.
 
-    dist: 'symlog_disc' (255-bin two-hot), 'symlog_mse', 'mse' or 'binary'.
+    dist: 'symlog_disc' (255-bin two-hot in symlog space), 'symexp_twohot' (255 symexp-spaced
+    bins, the 2024 recipe), 'symlog_mse', 'mse' or 'binary'.
     """
 
-    DISTS = ("symlog_disc", "symlog_mse", "mse", "binary")
+    DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse", "mse", "binary")
 
     def __init__(self, inp, shape, layers, units, act, norm, dist, outscale=1.0, bins=255):
         super().__init__()
@@ -178,7 +179,7 @@ class Head(nn.Module):
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
-        out = bins if dist == "symlog_disc" else int(np.prod(self.shape))
+        out = bins if dist in ("symlog_disc", "symexp_twohot") else int(np.prod(self.shape))
         self.out = init_(nn.Linear(self.mlp.outdim, out), outscale)
 
     def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
@@ -188,8 +189,8 @@ class Head(nn.Module):
         return self.dist(self.raw(x))
 
     def dist(self, x):
-        if self.kind == "symlog_disc":
-            return tools.TwoHot(x)
+        if self.kind in ("symlog_disc", "symexp_twohot"):
+            return tools.TwoHot(x, squash=self.kind == "symlog_disc")
         x = x.reshape(*x.shape[:-1], *self.shape)
         if self.kind == "binary":
             return tools.Bernoulli(x)

@@ -35,18 +35,24 @@ def symexp(x):
 
 
 class TwoHot:
-    """Categorical over `bins` equally spaced in symlog space (Eq. 9-10 of the paper).
+    """Categorical over `bins` two-hot bins (Eq. 9-10 of the paper).
 
-    The prediction is symexp(E[bin]); the loss is cross-entropy against the two-hot encoding of
-    symlog(target), which spreads the target over the two nearest bins by linear interpolation.
+    squash True (the paper's 'symlog_disc'): bins equally spaced in symlog space from low to
+    high; the prediction is symexp(E[bin]) and the loss the cross-entropy against the two-hot
+    encoding of symlog(target). squash False (the 2024 recipe's 'symexp_twohot'): the bins
+    themselves are symexp-spaced (symexp_bins), prediction E[bin] and target encoded as is.
     """
 
-    def __init__(self, logits, low=-20.0, high=20.0):
+    def __init__(self, logits, low=-20.0, high=20.0, squash=True):
         self.logits = logits  # (..., bins)
         self.log_probs = torch.log_softmax(logits, -1)
-        bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
-        if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
-            bins = (bins - bins.flip(0)) / 2
+        self.squash = squash
+        if squash:
+            bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+            if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
+                bins = (bins - bins.flip(0)) / 2
+        else:
+            bins = symexp_bins(logits.shape[-1], high, logits.device)
         self.bins = bins
 
     def mean(self):  # (...)
@@ -57,14 +63,25 @@ class TwoHot:
             m = n // 2
             lower = (probs[..., :m] * self.bins[:m]).flip(-1)
             upper = probs[..., m + 1:] * self.bins[m + 1:]
-            return symexp((lower + upper).sum(-1) + probs[..., m] * self.bins[m])
-        return symexp((probs * self.bins).sum(-1))
+            expected = (lower + upper).sum(-1) + probs[..., m] * self.bins[m]
+        else:
+            expected = (probs * self.bins).sum(-1)
+        return symexp(expected) if self.squash else expected
 
     mode = mean
 
     def log_prob(self, value):  # value: (...) -> (...)
-        target = twohot_encode(symlog(value.float()), self.bins)
+        value = value.float()
+        target = twohot_encode(symlog(value) if self.squash else value, self.bins)
         return (target * self.log_probs).sum(-1)
+
+
+def symexp_bins(num, high=20.0, device=None):
+    """`num` bins at symexp of points equally spaced in [-high, high], exactly antisymmetric
+    (with an exact 0 in the middle when num is odd)."""
+    half = symexp(torch.linspace(-high, 0.0, (num + 1) // 2 if num % 2 else num // 2, device=device))
+    mirror = -half[:-1].flip(0) if num % 2 else -half.flip(0)
+    return torch.cat([half, mirror])
 
 
 def twohot_encode(x, bins):

@@ -315,3 +315,102 @@ def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
         torch.testing.assert_close(p.grad, c * min(1.0, bound / float(torch.linalg.vector_norm(c))))
     default = dreamer.Dreamer(*spaces(), make_config())
     assert type(default.wm.optimizer.opt) is torch.optim.Adam and default.wm.optimizer.agc == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads: symexp two-hot and the continue head predicting the discount
+# ----------------------------------------------------------------------------------------------
+
+
+def np_symexp(x):
+    return np.sign(x) * (np.exp(np.abs(x)) - 1)
+
+
+def test_symexp_bins_are_symexp_of_an_even_grid_and_antisymmetric():
+    import tools
+    for n in (255, 6):
+        bins = to_np(tools.symexp_bins(n))
+        if n % 2:
+            want = np_symexp(np.linspace(-20, 20, n))
+            assert bins[n // 2] == 0
+        else:  # no middle bin: both halves come from [-20, 0] on n / 2 points
+            half = np_symexp(np.linspace(-20, 0, n // 2))
+            want = np.concatenate([half, -half[::-1]])
+        np.testing.assert_allclose(bins, want, rtol=1e-5)
+        np.testing.assert_array_equal(bins, -bins[::-1])
+
+
+def test_symexp_twohot_loss_and_prediction_in_raw_space():
+    import tools
+    logits = torch.randn(7, 255, generator=gen(40))
+    dist = tools.TwoHot(logits, squash=False)
+    bins = to_np(tools.symexp_bins(255))
+    values = np.array([0.0, 0.3, -2.5, 17.0, 1e3, -4e4, 1e10])  # the last beyond the top bin
+    log_probs = to_np(torch.log_softmax(logits, -1))
+    for i, v in enumerate(values):
+        target = np.zeros(255)
+        if v >= bins[-1]:
+            target[-1] = 1.0
+        else:
+            k = np.searchsorted(bins, v, side="right") - 1  # bins[k] <= v < bins[k + 1]
+            w = (v - bins[k]) / (bins[k + 1] - bins[k])
+            target[k], target[k + 1] = 1 - w, w
+        got = dist.log_prob(torch.tensor(v, dtype=torch.float32).expand(7))[i].item()
+        assert got == pytest.approx((target * log_probs[i]).sum(), rel=1e-4)
+    probs = np.exp(log_probs)
+    np.testing.assert_allclose(to_np(dist.mean()), (probs * bins).sum(-1), rtol=1e-4, atol=1e-3)
+    assert tools.TwoHot(torch.zeros(255), squash=False).mean().item() == 0.0
+
+
+@pytest.mark.parametrize("dist", ["symlog_disc", "symexp_twohot"])
+def test_reward_and_critic_dist_choose_the_bins(dist):
+    config = make_config("--reward_head.dist", dist, "--critic.dist", dist)
+    agent = dreamer.Dreamer(*spaces(), config)
+    for head in (agent.wm.heads["reward"], agent.task_behavior.critic):
+        out = head(torch.randn(3, agent.wm.rssm.feat_size, generator=gen(41)))
+        assert out.squash == (dist == "symlog_disc") and out.bins.shape == (255,)
+        assert not out.mean().any()  # zero-initialised output: exactly 0
+
+
+@pytest.mark.parametrize("contdisc", [False, True])
+def test_contdisc_makes_the_continue_head_learn_and_imagine_the_discount(contdisc):
+    config = make_config("--cont_head.contdisc", str(contdisc), "--discount", "0.99")
+    agent = dreamer.Dreamer(*spaces(), config)
+    wm = agent.wm
+    cont = torch.tensor([[1.0, 0.0, 1.0]])
+    torch.testing.assert_close(wm.cont_target(cont), cont * 0.99 if contdisc else cont)
+    feat = torch.randn(4, 2, wm.rssm.feat_size, generator=gen(42))
+    with torch.no_grad():
+        for p in wm.heads["cont"].parameters():
+            p.add_(torch.randn(p.shape, generator=gen(43)))
+        flags, discount = wm.imagined_cont(feat, torch.tensor([1.0, 0.0]))
+        logits = wm.heads["cont"].raw(feat)[..., 0]
+    if contdisc:
+        torch.testing.assert_close(flags, torch.sigmoid(logits))
+        assert discount == 1.0
+    else:
+        torch.testing.assert_close(flags[0], torch.tensor([1.0, 0.0]))
+        torch.testing.assert_close(flags[1:], (logits[1:] > 0).float())
+        assert discount == 0.99
+
+
+@pytest.mark.parametrize("contdisc", [False, True])
+def test_continue_loss_trains_on_the_contdisc_target(contdisc):
+    config = make_config("--cont_head.contdisc", str(contdisc), "--discount", "0.99")
+    torch.manual_seed(0)
+    wm = dreamer.Dreamer(*spaces(), config).wm
+    rng = np.random.default_rng(0)
+    batch = {"vec": rng.normal(size=(2, 4, 5)).astype(np.float32),
+             "image": rng.integers(0, 256, (2, 4, 16, 16, 3), dtype=np.uint8),
+             "action": rng.uniform(-1, 1, (2, 4, 3)).astype(np.float32),
+             "reward": rng.normal(size=(2, 4)).astype(np.float32),
+             "is_first": np.eye(4, dtype=bool)[[0, 0]], "is_last": np.zeros((2, 4), bool),
+             "is_terminal": np.array([[0, 0, 1, 0], [0, 1, 0, 0]], bool)}
+    data = wm.preprocess(batch)
+    with torch.no_grad():
+        _, post, _, metrics = wm.loss(data)
+        logits = wm.heads["cont"].raw(wm.rssm.get_feat(post))[..., 0]
+    target = (1 - batch["is_terminal"]) * (0.99 if contdisc else 1.0)
+    p = np_sigmoid(to_np(logits))
+    want = -(target * np.log(p) + (1 - target) * np.log(1 - p)).mean()
+    assert metrics["cont_loss"].item() == pytest.approx(want, rel=1e-4)
