@@ -414,3 +414,85 @@ def test_continue_loss_trains_on_the_contdisc_target(contdisc):
     p = np_sigmoid(to_np(logits))
     want = -(target * np.log(p) + (1 - target) * np.log(1 - p)).mean()
     assert metrics["cont_loss"].item() == pytest.approx(want, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Size presets: parameter counts against the official networks
+# ----------------------------------------------------------------------------------------------
+
+SIZES = {  # name: (deter, hidden, classes, units), as in the official configs.yaml
+    "size1m": (512, 64, 4, 64), "size12m": (2048, 256, 16, 256), "size25m": (3072, 384, 24, 384),
+    "size50m": (4096, 512, 32, 512), "size100m": (6144, 768, 48, 768), "size200m": (8192, 1024, 64, 1024),
+    "size400m": (12288, 1536, 96, 1536)}
+
+
+def walker_spaces():
+    """The spaces of DMC walker with proprioceptive observations: 24 numbers, 6 actions."""
+    import gymnasium
+    box = lambda shape: gymnasium.spaces.Box(-np.inf, np.inf, shape, dtype=np.float32)  # noqa: E731
+    obs = {"orientations": box((14,)), "height": box(()), "velocity": box((9,))}
+    obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
+    return obs, gymnasium.spaces.Box(-1, 1, (6,), dtype=np.float32)
+
+
+def official_count(obs, actions, deter, hidden, classes, units, stoch=32, blocks=8, bins=255):
+    """Parameters the official agent's optimizer holds (dyn, enc, dec, rew, con, pol, val; not the
+    slow value copy) for vector observations, counted layer by layer from its networks: every
+    Linear has a bias, every hidden Linear is followed by an RMSNorm with a scale."""
+    feat = stoch * classes + deter
+    linear = lambda i, o, norm=True: i * o + o + (o if norm else 0)  # noqa: E731
+    rssm = (linear(deter, hidden) + linear(stoch * classes, hidden) + linear(actions, hidden)  # dynin0..2
+            + (deter + 3 * blocks * hidden) * deter // blocks + 2 * deter  # dynhid0: block linear + norm
+            + 3 * deter * deter // blocks + 3 * deter  # dyngru: block linear to the three gates
+            + linear(deter, hidden) + linear(hidden, hidden) + linear(hidden, stoch * classes, False)  # prior
+            + linear(deter + units, hidden) + linear(hidden, stoch * classes, False))  # posterior
+    mlp = lambda inp, layers: linear(inp, units) + (layers - 1) * linear(units, units)  # noqa: E731
+    enc = mlp(obs, 3)
+    dec = mlp(feat, 3) + linear(units, obs, False)
+    rew = mlp(feat, 1) + linear(units, bins, False)
+    con = mlp(feat, 1) + linear(units, 1, False)
+    pol = mlp(feat, 3) + 2 * linear(units, actions, False)  # mean and stddev
+    val = mlp(feat, 3) + linear(units, bins, False)
+    return rssm + enc + dec + rew + con + pol + val
+
+
+def agent_count(agent):
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return count(agent.wm) + count(agent.task_behavior.actor) + count(agent.task_behavior.critic)
+
+
+def test_official_count_reproduces_the_published_figures():
+    # The official size1m on DMC walker proprio has about 0.64M parameters, size12m about 9.7M.
+    assert official_count(24, 6, *SIZES["size1m"]) == pytest.approx(0.64e6, rel=0.01)
+    assert official_count(24, 6, *SIZES["size12m"]) == pytest.approx(9.7e6, rel=0.01)
+
+
+@pytest.mark.parametrize("size", ["size1m", "size12m"])
+def test_small_sizes_have_the_official_count_and_train_one_update(size):
+    config = make_config("--imag_horizon", "2", "--compile", "False",
+                         configs=("dmc_proprio", "recipe2024", size))
+    obs_space, act_space = walker_spaces()
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(obs_space, act_space, config)
+    assert agent_count(agent) == official_count(24, 6, *SIZES[size])
+    rng = np.random.default_rng(0)
+    batch = {k: rng.normal(size=(2, 3, *obs_space[k].shape)).astype(np.float32)
+             for k in ("orientations", "height", "velocity")}
+    batch.update(action=rng.uniform(-1, 1, (2, 3, 6)).astype(np.float32),
+                 reward=rng.normal(size=(2, 3)).astype(np.float32), is_first=np.eye(3, dtype=bool)[[0, 0]],
+                 is_last=np.zeros((2, 3), bool), is_terminal=np.zeros((2, 3), bool))
+    before = [p.detach().clone() for p in agent.wm.parameters()]
+    metrics = agent.train_step(batch)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    # Warm-up: the first update has learning rate 0, so nothing moves yet.
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.wm.parameters()))
+    agent.train_step(batch)
+    assert any(not torch.equal(a, b) for a, b in zip(before, agent.wm.parameters()))
+
+
+@pytest.mark.parametrize("size", ["size25m", "size50m", "size100m", "size200m", "size400m"])
+def test_large_sizes_have_the_official_count(size):
+    config = make_config("--compile", "False", configs=("dmc_proprio", "recipe2024", size))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation work
+        agent = dreamer.Dreamer(*walker_spaces(), config)
+    assert agent_count(agent) == official_count(24, 6, *SIZES[size])
