@@ -44,6 +44,8 @@ CHOICES = {
     "decoder.norm": networks.NORMS,
     "winit": networks.WINITS,
     "dyn_cell": ("gru", "blockgru"),
+    "encoder.cnn": ("strided", "pooled"),
+    "decoder.cnn": ("transposed", "upsample"),
     "dyn_mean_act": ("none", "tanh5"),
     "dyn_std_act": ("softplus", "abs", "sigmoid", "sigmoid2"),
     "imag_gradient": ("dynamics", "reinforce", "both"),

@@ -143,7 +143,7 @@ class WorldModel(nn.Module):
         self.rssm = networks.RSSM(config, self.encoder.outdim, act_space.shape[0])
         feat = self.rssm.feat_size
         self.heads = nn.ModuleDict({
-            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder),
+            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder, config.dyn_deter),
             "reward": networks.Head(feat, (), config.reward_head.layers, config.units, config.act, config.norm,
                                     config.reward_head.dist, config.reward_head.outscale),
             "cont": networks.Head(feat, (1,), config.cont_head.layers, config.units, config.act, config.norm,

@@ -317,6 +317,84 @@ class ConvDecoder(nn.Module):
         return x.reshape(*lead, *self.shape)
 
 
+def pooled_depths(depth, stages):
+    """Channels of the 2024 recipe's conv stages: depth x [2, 3, 4, 4], then 4 for any further stage."""
+    return [depth * (2, 3, 4)[min(i, 2)] for i in range(stages)]
+
+
+class PooledConvEncoder(nn.Module):
+    """The 2024 recipe's image encoder: per stage a stride-1 convolution, 2x2 max-pooling, norm and
+    activation, channels depth x [2, 3, 4, 4], down to `minres`; inputs shifted to [-0.5, 0.5]."""
+
+    def __init__(self, shape, depth, kernel_size, minres, act, norm):
+        super().__init__()
+        height, width, channels = shape
+        layers, inp = [], channels
+        for out in pooled_depths(depth, conv_stages(height, minres)):
+            layers.append(nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=has_bias(norm)))
+            layers.append(nn.MaxPool2d(2))
+            if channel_norm(norm, out) is not None:
+                layers.append(channel_norm(norm, out))
+            layers.append(ACTIVATIONS[act]())
+            inp = out
+        self.net = init_(nn.Sequential(*layers))
+        self.outdim = inp * minres * (width // (height // minres))
+
+    def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
+        x = image.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last) - 0.5
+        return self.net(x).flatten(1)
+
+
+class UpsampleConvDecoder(nn.Module):
+    """The 2024 recipe's image decoder. A spatial seed (minres, minres, C) is the sum of a
+    block-linear map of deter (8 blocks, each filling C/8 channels) and a two-layer map of the
+    stochastic state; then per stage nearest-neighbour 2x upsampling, a stride-1 convolution,
+    norm and activation, channels depth x [4, 3, 2] towards the image (the recipe's sigmoid
+    output is decoder.cnn_sigmoid)."""
+
+    def __init__(self, stoch_size, deter_size, shape, depth, kernel_size, minres, act, norm, outscale, units,
+                 sigmoid=True, blocks=8):
+        super().__init__()
+        self.sigmoid = sigmoid
+        height, width, channels = shape
+        stages = conv_stages(height, minres)
+        depths = pooled_depths(depth, stages)
+        self.shape, self.blocks, self.deter_size = tuple(shape), blocks, deter_size
+        self.seed_shape = (minres, width // (height // minres), depths[-1])  # (h, w, C)
+        size = int(np.prod(self.seed_shape))
+        self.from_deter = BlockLinear(deter_size, size, blocks)
+        self.from_stoch = init_(nn.Sequential(*dense(stoch_size, 2 * units, act, norm), nn.Linear(2 * units, size)))
+        self.seed_norm = channel_norm(norm, depths[-1]) or nn.Identity()
+        self.seed_act = ACTIVATIONS[act]()
+        layers, inp = [], depths[-1]
+        outs = [*depths[:-1][::-1], channels]
+        for i, out in enumerate(outs):
+            last = i == len(outs) - 1
+            layers.append(nn.Upsample(scale_factor=2, mode="nearest"))
+            conv = nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=last or has_bias(norm))
+            layers.append(init_(conv, outscale if last else 1.0))
+            if not last:
+                if channel_norm(norm, out) is not None:
+                    layers.append(channel_norm(norm, out))
+                layers.append(ACTIVATIONS[act]())
+            inp = out
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, feat):  # (..., stoch + deter) -> (..., H, W, C) in (0, 1)
+        lead = feat.shape[:-1]
+        feat = feat.reshape(-1, feat.shape[-1])
+        stoch, deter = feat[:, :-self.deter_size], feat[:, -self.deter_size:]
+        h, w, c = self.seed_shape
+        # Block k of the block-linear output is an (h, w, C / blocks) slab: channels block-major.
+        x0 = self.from_deter(deter).reshape(-1, self.blocks, h, w, c // self.blocks).permute(0, 2, 3, 1, 4)
+        x = x0.reshape(-1, h, w, c) + self.from_stoch(stoch).reshape(-1, h, w, c)
+        x = x.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)  # (N, C, h, w)
+        x = self.seed_act(self.seed_norm(x))
+        x = self.net(x).permute(0, 2, 3, 1)
+        x = torch.sigmoid(x) if self.sigmoid else x + 0.5
+        return x.reshape(*lead, *self.shape)
+
+
 def select_keys(obs_space, cnn_pattern, mlp_pattern):
     """Image keys (rank 3) matching cnn_pattern and vector keys (rank <= 1) matching mlp_pattern."""
     skip = ("is_first", "is_last", "is_terminal", "reward")
@@ -340,8 +418,11 @@ class MultiEncoder(nn.Module):
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
-            self.cnn = ConvEncoder((height, width, channels), config.cnn_depth, config.kernel_size,
-                                   config.minres, config.act, config.norm)
+            if config.cnn not in ("strided", "pooled"):
+                raise ValueError(f"Unknown encoder.cnn '{config.cnn}'; valid: strided, pooled")
+            cls = ConvEncoder if config.cnn == "strided" else PooledConvEncoder
+            self.cnn = cls((height, width, channels), config.cnn_depth, config.kernel_size, config.minres,
+                           config.act, config.norm)
             self.outdim += self.cnn.outdim
         if self.mlp_shapes:
             size = sum(int(np.prod(s)) for s in self.mlp_shapes.values())
@@ -362,9 +443,11 @@ class MultiDecoder(nn.Module):
     """Reconstructs the observation keys matching its own cnn_keys / mlp_keys from the latent
     feature; returns one distribution per key."""
 
-    def __init__(self, feat_size, obs_space, config):
+    def __init__(self, feat_size, obs_space, config, deter_size=None):
         super().__init__()
         self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
+        if config.cnn not in ("transposed", "upsample"):
+            raise ValueError(f"Unknown decoder.cnn '{config.cnn}'; valid: transposed, upsample")
         if config.image_dist != "mse":
             raise ValueError(f"Unknown decoder.image_dist '{config.image_dist}'; valid: mse")
         if config.vector_dist not in ("symlog_mse", "mse"):
@@ -372,8 +455,13 @@ class MultiDecoder(nn.Module):
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
-            self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
-                                   config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
+            if config.cnn == "transposed":
+                self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
+                                       config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
+            else:  # needs deter apart from the stochastic state: feat is [stoch, deter]
+                self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
+                                               config.cnn_depth, config.kernel_size, config.minres, config.act,
+                                               config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
         if self.mlp_shapes:  # one MLP for all vector keys, its output split between them
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)

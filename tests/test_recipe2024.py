@@ -496,3 +496,101 @@ def test_large_sizes_have_the_official_count(size):
     with torch.device("meta"):  # shapes only: no memory, no initialisation work
         agent = dreamer.Dreamer(*walker_spaces(), config)
     assert agent_count(agent) == official_count(24, 6, *SIZES[size])
+
+
+# ----------------------------------------------------------------------------------------------
+# Image encoder and decoder
+# ----------------------------------------------------------------------------------------------
+
+
+def test_pooled_encoder_is_conv_pool_norm_act_with_channels_2_3_4_4():
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    encoder = networks.PooledConvEncoder((64, 64, 3), 4, 5, 4, "SiLU", "rms")
+    convs = [m for m in encoder.net if isinstance(m, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 12, 16, 16]
+    assert all(c.kernel_size == (5, 5) and c.stride == (1, 1) for c in convs)
+    image = torch.rand(2, 64, 64, 3, generator=gen(50))
+    x = image.permute(0, 3, 1, 2) - 0.5
+    for conv in convs:  # written out: conv, 2x2 max, RMSNorm over channels (scale 1), SiLU
+        x = F.max_pool2d(F.conv2d(x, conv.weight, conv.bias, padding=2), 2)
+        x = x / torch.sqrt(x.square().mean(1, keepdim=True) + 1e-4)
+        x = x * torch.sigmoid(x)
+    assert encoder.outdim == 16 * 4 * 4
+    torch.testing.assert_close(encoder(image), x.flatten(1), rtol=1e-4, atol=1e-5)
+
+
+def test_upsample_decoder_seed_blocks_and_stages():
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    decoder = networks.UpsampleConvDecoder(12, 16, (32, 32, 3), 8, 5, 4, "SiLU", "rms", 1.0, 10)
+    feat = torch.randn(2, 28, generator=gen(51))
+    stoch, deter = feat[:, :12], feat[:, 12:]
+    # Seed (4, 4, 32): block k of from_deter fills channels 4k..4k+3 at every position, from deter
+    # units 2k..2k+1 only; from_stoch fills all channels in (h, w, c) order.
+    w, b = decoder.from_deter.weight, decoder.from_deter.bias  # (8, 2, 64), (512,)
+    seed = torch.zeros(2, 4, 4, 32)
+    for k in range(8):
+        block = deter[:, 2 * k:2 * k + 2] @ w[k] + b[64 * k:64 * (k + 1)]  # (2, 64) = (h, w, 4)
+        seed[..., 4 * k:4 * k + 4] = block.reshape(2, 4, 4, 4)
+    seed = seed + decoder.from_stoch(stoch).reshape(2, 4, 4, 32)
+    x = seed.permute(0, 3, 1, 2)
+    x = x / torch.sqrt(x.square().mean(1, keepdim=True) + 1e-4)
+    x = x * torch.sigmoid(x)
+    convs = [m for m in decoder.net if isinstance(m, nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [24, 16, 3]  # depth x [3, 2], then the image
+    for i, conv in enumerate(convs):
+        x = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), conv.weight, conv.bias, padding=2)
+        if i < len(convs) - 1:
+            x = x / torch.sqrt(x.square().mean(1, keepdim=True) + 1e-4)
+            x = x * torch.sigmoid(x)
+    want = torch.sigmoid(x).permute(0, 2, 3, 1)
+    torch.testing.assert_close(decoder(feat), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("enc, dec", [("strided", "transposed"), ("pooled", "upsample")])
+def test_encoder_cnn_and_decoder_cnn_choose_the_image_networks(enc, dec):
+    config = make_config("--encoder.cnn", enc, "--decoder.cnn", dec, "--decoder.cnn_sigmoid", "True",
+                         "--encoder.kernel_size", "5", "--decoder.kernel_size", "5")
+    agent = dreamer.Dreamer(*spaces(), config)
+    encoder, decoder = agent.wm.encoder.cnn, agent.wm.heads["decoder"].cnn
+    assert type(encoder) is (networks.ConvEncoder if enc == "strided" else networks.PooledConvEncoder)
+    assert type(decoder) is (networks.ConvDecoder if dec == "transposed" else networks.UpsampleConvDecoder)
+    with torch.no_grad():
+        assert encoder(torch.rand(2, 16, 16, 3)).shape == (2, encoder.outdim)
+        image = decoder(torch.randn(2, 5, agent.wm.rssm.feat_size))
+    assert image.shape == (2, 5, 16, 16, 3) and image.min() > 0 and image.max() < 1
+
+
+def official_vision_count(actions, deter, hidden, classes, units, depth, stoch=32, blocks=8, bins=255):
+    """As official_count, for 64x64x3 images: the encoder's four 5x5 conv stages (depth x [2, 3,
+    4, 4], pooled down to 4x4), the decoder's block-linear seed, three conv stages and output conv."""
+    feat = stoch * classes + deter
+    linear = lambda i, o, norm=True: i * o + o + (o if norm else 0)  # noqa: E731
+    conv = lambda i, o, norm=True: 25 * i * o + o + (o if norm else 0)  # noqa: E731
+    d2, d3, d4 = 2 * depth, 3 * depth, 4 * depth
+    enc = conv(3, d2) + conv(d2, d3) + conv(d3, d4) + conv(d4, d4)
+    embed = seed = 4 * 4 * d4
+    dec = (deter * seed // blocks + seed + linear(stoch * classes, 2 * units) + linear(2 * units, seed, False) + d4
+           + conv(d4, d4) + conv(d4, d3) + conv(d3, d2) + conv(d2, 3, False))
+    rssm = (linear(deter, hidden) + linear(stoch * classes, hidden) + linear(actions, hidden)
+            + (deter + 3 * blocks * hidden) * deter // blocks + 2 * deter + 3 * deter * deter // blocks + 3 * deter
+            + linear(deter, hidden) + linear(hidden, hidden) + linear(hidden, stoch * classes, False)
+            + linear(deter + embed, hidden) + linear(hidden, stoch * classes, False))
+    mlp = lambda inp, layers: linear(inp, units) + (layers - 1) * linear(units, units)  # noqa: E731
+    heads = (mlp(feat, 1) + linear(units, bins, False) + mlp(feat, 1) + linear(units, 1, False)
+             + mlp(feat, 3) + 2 * linear(units, actions, False) + mlp(feat, 3) + linear(units, bins, False))
+    return rssm + enc + dec + heads
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_every_size_on_images_has_the_official_count(size):
+    import gymnasium
+    config = make_config("--compile", "False", configs=("dmc_vision", "recipe2024", size))
+    obs = {"image": gymnasium.spaces.Box(0, 255, (64, 64, 3), dtype=np.uint8)}
+    obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
+    with torch.device("meta"):
+        agent = dreamer.Dreamer(obs, gymnasium.spaces.Box(-1, 1, (6,), dtype=np.float32), config)
+    deter, hidden, classes, units = SIZES[size]
+    assert config.encoder.cnn_depth == config.decoder.cnn_depth == units // 16  # as in the official presets
+    assert agent_count(agent) == official_vision_count(6, deter, hidden, classes, units, units // 16)
