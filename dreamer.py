@@ -294,7 +294,8 @@ class Dreamer(nn.Module):
         post, embed, metrics = self.wm.train_step(data)
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
-        metrics.update(self.task_behavior.train_step(start, start_cont))
+        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
+        metrics.update(self.task_behavior.train_step(start, start_cont, replay))
         if self.expl_behavior is not None:
             metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
         return metrics

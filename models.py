@@ -264,6 +264,24 @@ def lambda_return(reward, cont, value, discount, lambda_):
     return torch.stack(returns[::-1])
 
 
+def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
+    """λ-returns along a replayed sequence (the 2024 recipe's replay value loss), all (B, T):
+    real rewards and terminations, bootstrapped at every step from `boot`, the imagined λ-return
+    of that step's posterior state. Output (B, T-1) for steps 0..T-2:
+
+        R_t = r_{t+1} + γ (1 - term_{t+1}) ((1 - c_{t+1}) boot_{t+1} + c_{t+1} R_{t+1}),
+        c = λ (1 - last),  R_{T-1} = boot_{T-1},
+
+    so that a sequence never bootstraps across an episode's last step."""
+    live = (1 - is_terminal[:, 1:]) * discount
+    cont = (1 - is_last[:, 1:]) * lambda_
+    returns, last = [], boot[:, -1]
+    for t in reversed(range(reward.shape[1] - 1)):
+        last = reward[:, t + 1] + live[:, t] * ((1 - cont[:, t]) * boot[:, t + 1] + cont[:, t] * last)
+        returns.append(last)
+    return torch.stack(returns[::-1], 1)
+
+
 class ReturnNorm(nn.Module):
     """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns."""
 
@@ -344,9 +362,10 @@ class ActorCritic(nn.Module):
         states = {k: stack([s[k] for s in states]) for k in states[0]}
         return stack(feats), states, stack(actions), stack(outs)
 
-    def train_step(self, start, start_cont):
+    def train_step(self, start, start_cont, replay=None):
         """One actor and one critic update from posterior states start (N, ...) with their
-        continue flags start_cont (N,)."""
+        continue flags start_cont (N,). `replay`, the replayed reward, is_last and is_terminal
+        (B, T) with N = B * T, feeds the replay value loss (critic.repval)."""
         config = self.config
         wm = self.wm[0]
         with frozen(wm), autocast(config):
@@ -372,6 +391,10 @@ class ActorCritic(nn.Module):
             with profiled("critic"):
                 critic_dist = self.critic.dist(critic_out[:-1])
                 critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
+                if replay is not None and config.critic.repval:
+                    repval = self.replay_value_loss(feat[0].detach(), critic_out[0], returns[0].detach(), replay)
+                    critic_loss = critic_loss + config.critic.repval * repval
+                    critic_metrics["critic_repval_loss"] = repval.detach()
                 metrics.update(critic_metrics)
                 metrics.update(self.critic_opt(critic_loss))
         self.update_slow_critic()
@@ -425,6 +448,22 @@ class ActorCritic(nn.Module):
                 slow = self.slow_critic(feat[:-1]).mean()
             loss = loss - dist.log_prob(slow)
         return (weight[:-1] * loss).mean(), {"critic_value": dist.mean().detach().mean()}
+
+    def replay_value_loss(self, feat, critic_out, boot, replay):
+        """The critic also learns λ-returns of the replayed sequences (replay_lambda_return),
+        bootstrapped from the imagined returns `boot` (N,), with the same slow-critic regulariser;
+        feat (N, F) and critic_out (N, bins) are at the posterior states, N = B * T."""
+        shape = replay["reward"].shape  # (B, T)
+        boot = boot.reshape(shape)
+        returns = replay_lambda_return(replay["reward"], replay["is_last"], replay["is_terminal"], boot,
+                                       self.config.discount, self.config.discount_lambda)  # (B, T-1)
+        dist = self.critic.dist(critic_out.reshape(*shape, -1)[:, :-1])
+        loss = -dist.log_prob(returns)
+        if self.config.critic.slow_target:
+            with torch.no_grad():
+                slow = self.slow_critic(feat.reshape(*shape, -1)[:, :-1]).mean()
+            loss = loss - dist.log_prob(slow)
+        return ((1 - replay["is_last"][:, :-1]) * loss).mean()
 
     @torch.no_grad()
     def update_slow_critic(self):

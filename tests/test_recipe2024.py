@@ -594,3 +594,58 @@ def test_every_size_on_images_has_the_official_count(size):
     deter, hidden, classes, units = SIZES[size]
     assert config.encoder.cnn_depth == config.decoder.cnn_depth == units // 16  # as in the official presets
     assert agent_count(agent) == official_vision_count(6, deter, hidden, classes, units, units // 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Replay value loss
+# ----------------------------------------------------------------------------------------------
+
+
+def test_replay_lambda_return_matches_the_recursion_written_out():
+    import models
+    rng = np.random.default_rng(60)
+    B, T, gamma, lam = 3, 6, 0.99, 0.95
+    reward, boot = rng.normal(size=(B, T)), rng.normal(size=(B, T))
+    is_last = np.zeros((B, T))
+    is_terminal = np.zeros((B, T))
+    is_last[1, 3] = 1  # a truncated episode: bootstrap there, do not look past it
+    is_last[2, 2] = is_terminal[2, 2] = 1  # a terminated one: nothing after it counts
+    want = np.zeros((B, T - 1))
+    for b in range(B):
+        ret = boot[b, T - 1]
+        for t in range(T - 2, -1, -1):
+            nxt = t + 1
+            if is_terminal[b, nxt]:
+                ret = reward[b, nxt]
+            elif is_last[b, nxt]:
+                ret = reward[b, nxt] + gamma * boot[b, nxt]
+            else:
+                ret = reward[b, nxt] + gamma * ((1 - lam) * boot[b, nxt] + lam * ret)
+            want[b, t] = ret
+    as_t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    got = models.replay_lambda_return(as_t(reward), as_t(is_last), as_t(is_terminal), as_t(boot), gamma, lam)
+    np.testing.assert_allclose(to_np(got), want, rtol=1e-10)
+
+
+def test_critic_repval_adds_the_weighted_replay_value_loss_to_the_critic():
+    import gymnasium
+    losses = {}
+    for repval in (0.0, 0.3):
+        config = make_config("--critic.repval", str(repval), "--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^",
+                             "--encoder.mlp_keys", "vec", "--decoder.mlp_keys", "vec")
+        obs = {"vec": gymnasium.spaces.Box(-np.inf, np.inf, (5,), dtype=np.float32)}
+        obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
+        torch.manual_seed(0)
+        agent = dreamer.Dreamer(obs, gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32), config)
+        rng = np.random.default_rng(0)
+        batch = {"vec": rng.normal(size=(2, 4, 5)).astype(np.float32),
+                 "action": rng.uniform(-1, 1, (2, 4, 3)).astype(np.float32),
+                 "reward": rng.normal(size=(2, 4)).astype(np.float32), "is_first": np.eye(4, dtype=bool)[[0, 0]],
+                 "is_last": np.zeros((2, 4), bool), "is_terminal": np.zeros((2, 4), bool)}
+        torch.manual_seed(1)
+        losses[repval] = agent.train_step(batch)
+    assert "critic_repval_loss" not in losses[0.0]
+    repval = losses[0.3]["critic_repval_loss"].item()
+    assert repval > 0
+    total = losses[0.3]["critic_loss"].item()
+    assert total == pytest.approx(losses[0.0]["critic_loss"].item() + 0.3 * repval, rel=1e-5)
