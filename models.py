@@ -105,6 +105,41 @@ class Optimizer:
         self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
 
 
+class JointUpdate:
+    """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
+    critic, and one step on the sum of all their losses, all taken at the same parameters. The
+    replay value loss is computed on the posterior features with their graph, so that it trains
+    the representation too. It uses the world model's optimizer settings (opt, model_lr,
+    opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
+    gradient through the critic's values would leak into the critic's weights in a joint step.
+    """
+
+    def __init__(self, config, world_model, behavior):
+        if config.imag_gradient != "reinforce":
+            raise ValueError(f"update 'joint' needs imag_gradient 'reinforce', not '{config.imag_gradient}'")
+        self.config, self.wm, self.behavior = config, world_model, behavior
+        params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
+        self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
+                                   config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
+
+    def train_step(self, data):
+        """One step on a preprocessed batch (B, T, ...); returns the detached posterior, the
+        embedding and the metrics, like WorldModel.train_step."""
+        with autocast(self.config):
+            with profiled("world_model"):
+                model_loss, post, embed, metrics = self.wm.loss(data)
+            start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
+            replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
+            actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
+            behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
+            metrics["model_loss"] = model_loss.detach()
+            metrics.update(self.optimizer(model_loss + actor_loss + critic_loss))
+        self.behavior.update_slow_critic()
+        metrics.update({self.behavior.prefix + k: v for k, v in behavior_metrics.items()})
+        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
+
+
 @contextlib.contextmanager
 def frozen(*modules):
     """Turn off gradients of `modules` so that a loss backpropagating through them (the actor's
@@ -366,6 +401,20 @@ class ActorCritic(nn.Module):
         """One actor and one critic update from posterior states start (N, ...) with their
         continue flags start_cont (N,). `replay`, the replayed reward, is_last and is_terminal
         (B, T) with N = B * T, feeds the replay value loss (critic.repval)."""
+        actor_loss, critic_loss, metrics = self.loss(start, start_cont, replay)
+        with autocast(self.config):
+            with profiled("actor"):  # the backward pass through the imagined trajectories
+                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
+            with profiled("critic"):
+                metrics.update(self.critic_opt(critic_loss))
+        self.update_slow_critic()
+        return {self.prefix + k: v for k, v in metrics.items()}
+
+    def loss(self, start, start_cont, replay=None):
+        """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
+        without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
+        the replay value loss is computed on them, so that its gradient can reach the world model
+        (update 'joint'); otherwise on the detached start states."""
         config = self.config
         wm = self.wm[0]
         with frozen(wm), autocast(config):
@@ -384,23 +433,25 @@ class ActorCritic(nn.Module):
                 critic_out = self.critic.raw(feat)  # (H+1, N, bins)
                 value = self.critic.dist(critic_out).mean()  # (H+1, N)
                 returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
-            with profiled("actor"):  # includes the backward pass through the imagined trajectories
+            with profiled("actor"):
                 policy = self.actor.dist(policy_out[:-1])
                 actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())
-                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
             with profiled("critic"):
                 critic_dist = self.critic.dist(critic_out[:-1])
                 critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 if replay is not None and config.critic.repval:
-                    repval = self.replay_value_loss(feat[0].detach(), critic_out[0], returns[0].detach(), replay)
+                    if "feat" in replay:
+                        replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
+                        replay_out = self.critic.raw(replay_feat)
+                    else:
+                        replay_feat, replay_out = feat[0], critic_out[0]
+                    repval = self.replay_value_loss(replay_feat.detach(), replay_out, returns[0].detach(), replay)
                     critic_loss = critic_loss + config.critic.repval * repval
                     critic_metrics["critic_repval_loss"] = repval.detach()
                 metrics.update(critic_metrics)
-                metrics.update(self.critic_opt(critic_loss))
-        self.update_slow_critic()
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
-        return {self.prefix + k: v for k, v in metrics.items()}
+        return actor_loss, critic_loss, metrics
 
     def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
         """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.

@@ -649,3 +649,79 @@ def test_critic_repval_adds_the_weighted_replay_value_loss_to_the_critic():
     assert repval > 0
     total = losses[0.3]["critic_loss"].item()
     assert total == pytest.approx(losses[0.0]["critic_loss"].item() + 0.3 * repval, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# One optimizer, one step: update 'joint'
+# ----------------------------------------------------------------------------------------------
+
+
+def vector_setup(*flags):
+    import gymnasium
+    config = make_config("--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^", "--encoder.mlp_keys", "vec",
+                         "--decoder.mlp_keys", "vec", *flags)
+    obs = {"vec": gymnasium.spaces.Box(-np.inf, np.inf, (5,), dtype=np.float32)}
+    obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(obs, gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32), config)
+    rng = np.random.default_rng(0)
+    batch = {"vec": rng.normal(size=(2, 4, 5)).astype(np.float32),
+             "action": rng.uniform(-1, 1, (2, 4, 3)).astype(np.float32),
+             "reward": rng.normal(size=(2, 4)).astype(np.float32), "is_first": np.eye(4, dtype=bool)[[0, 0]],
+             "is_last": np.zeros((2, 4), bool), "is_terminal": np.zeros((2, 4), bool)}
+    batch["is_last"][1, 2] = batch["is_terminal"][1, 2] = True
+    return agent, batch
+
+
+JOINT = ("--update", "joint", "--imag_gradient", "reinforce", "--opt", "laprop", "--agc", "0.3", "--warmup", "0",
+         "--model_lr", "0.01", "--opt_eps", "1e-20", "--grad_clip", "0", "--critic.repval", "0.3")
+
+
+def test_joint_update_is_one_laprop_step_on_the_sum_of_all_losses():
+    agent, batch = vector_setup(*JOINT)
+    reference = copy.deepcopy(agent)
+    torch.manual_seed(5)
+    agent.train_step(batch)
+    # Written out: all losses at the starting parameters, one gradient, one LaProp + AGC step.
+    torch.manual_seed(5)
+    data = reference.wm.preprocess(batch)
+    model_loss, post, _, _ = reference.wm.loss(data)
+    start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}
+    replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
+    replay["feat"] = reference.wm.rssm.get_feat(post)
+    behavior = reference.task_behavior
+    actor_loss, critic_loss, _ = behavior.loss(start, data["cont"].reshape(-1), replay)
+    modules = (reference.wm, behavior.actor, behavior.critic)
+    params = [p for m in modules for p in m.parameters()]
+    grads = torch.autograd.grad(model_loss + actor_loss + critic_loss, params, allow_unused=True)
+    moved = 0
+    for p, g, new in zip(params, grads, (p for m in (agent.wm, agent.task_behavior.actor, agent.task_behavior.critic)
+                                         for p in m.parameters())):
+        if g is None:
+            torch.testing.assert_close(new, p)
+            continue
+        g = g / max(1.0, float(g.norm() / (0.3 * max(1e-3, float(p.detach().norm())))))
+        nu = 0.001 * g ** 2 / (1 - 0.999)  # first step: bias-corrected moments are g^2 and g / |g|
+        step = (g / (nu.sqrt() + 1e-20)) * 0.1 / (1 - 0.9)
+        torch.testing.assert_close(new.detach(), (p - 0.01 * step).detach(), rtol=1e-4, atol=1e-6)
+        moved += int(bool(g.any()))
+    assert moved > 10
+
+
+@pytest.mark.parametrize("update", ["sequential", "joint"])
+def test_update_decides_whether_the_replay_value_loss_trains_the_world_model(update):
+    flags = [*JOINT[2:]]
+    after = {}
+    for repval in ("0.0", "0.3"):
+        agent, batch = vector_setup("--update", update, *flags, "--critic.repval", repval)
+        torch.manual_seed(5)
+        for _ in range(2):  # a first LaProp step is sign(gradient): magnitudes show from the second on
+            agent.train_step(batch)
+        after[repval] = [p.detach().clone() for p in agent.wm.parameters()]
+    same = all(torch.equal(a, b) for a, b in zip(after["0.0"], after["0.3"]))
+    assert same == (update == "sequential")
+
+
+def test_joint_update_refuses_the_dynamics_gradient():
+    with pytest.raises(ValueError, match="imag_gradient 'reinforce'"):
+        vector_setup("--update", "joint", "--imag_gradient", "dynamics")
