@@ -725,3 +725,26 @@ def test_update_decides_whether_the_replay_value_loss_trains_the_world_model(upd
 def test_joint_update_refuses_the_dynamics_gradient():
     with pytest.raises(ValueError, match="imag_gradient 'reinforce'"):
         vector_setup("--update", "joint", "--imag_gradient", "dynamics")
+
+
+def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
+    config = make_config(configs=("dmc_proprio", "recipe2024", "size1m"))
+    assert (config.opt, config.agc, config.warmup, config.update) == ("laprop", 0.3, 1000, "joint")
+    for lr, eps, clip in ((config.model_lr, config.opt_eps, config.grad_clip),
+                          (config.actor.lr, config.actor.eps, config.actor.grad_clip),
+                          (config.critic.lr, config.critic.eps, config.critic.grad_clip)):
+        assert (lr, eps, clip) == (4e-5, 1e-20, 0)
+    assert (config.dyn_scale, config.rep_scale, config.kl_free) == (1.0, 0.1, 1.0)
+    assert config.discount == pytest.approx(1 - 1 / 333, abs=1e-6)
+    layers = (config.reward_head.layers, config.cont_head.layers, config.actor.layers, config.critic.layers)
+    assert layers == (1, 1, 3, 3)
+    assert (config.actor.outscale, config.critic.outscale, config.reward_head.outscale) == (0.01, 0.0, 0.0)
+    assert (config.actor.min_std, config.actor.max_std, config.actor.entropy) == (0.1, 1.0, 3e-4)
+    critic = config.critic
+    assert (critic.repval, critic.slow_target_fraction, critic.slow_target_update) == (0.3, 0.02, 1)
+    assert config.imag_gradient == "reinforce" and config.cont_head.contdisc
+    defaults = dreamer.parse(["--configs", "dmc_proprio"], presets=copy.deepcopy(PRESETS))
+    assert (defaults.norm, defaults.winit, defaults.opt, defaults.update, defaults.dyn_cell) == (
+        "layer", "fan_avg", "adam", "sequential", "gru")
+    assert (defaults.encoder.cnn, defaults.decoder.cnn, defaults.critic.repval, defaults.cont_head.contdisc) == (
+        "strided", "transposed", 0.0, False)
