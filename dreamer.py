@@ -44,7 +44,7 @@ CHOICES = {
     "decoder.norm": networks.NORMS,
     "winit": networks.WINITS,
     "dyn_cell": ("gru", "blockgru"),
-    "update": ("sequential", "joint"),
+    "update": tuple(models.UPDATES),
     "encoder.cnn": ("strided", "pooled"),
     "decoder.cnn": ("transposed", "upsample"),
     "dyn_mean_act": ("none", "tanh5"),
@@ -228,9 +228,9 @@ class Dreamer(nn.Module):
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
         self.task_behavior = models.ActorCritic(config, self.wm, act_space, self.extrinsic_reward)
-        if config.update not in ("sequential", "joint"):
-            raise ValueError(f"Unknown update '{config.update}'; valid: sequential, joint")
-        self.joint = models.JointUpdate(config, self.wm, self.task_behavior) if config.update == "joint" else None
+        if config.update not in models.UPDATES:
+            raise ValueError(f"Unknown update '{config.update}'; valid: {', '.join(models.UPDATES)}")
+        self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
         if config.expl_behavior == "greedy":
             self.expl_behavior = None
         elif config.expl_behavior == "random":
@@ -295,23 +295,17 @@ class Dreamer(nn.Module):
     def train_step(self, batch):
         """One update of every learner on a replayed batch (B, T, ...); returns tensor metrics."""
         data = self.wm.preprocess(batch)
-        if self.joint is not None:  # one step for world model, actor and critic together
-            post, embed, metrics = self.joint.train_step(data)
-        else:
-            post, embed, metrics = self.wm.train_step(data)
+        post, embed, metrics = self.updater.train_step(data)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
-        if self.joint is None:
-            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
-            metrics.update(self.task_behavior.train_step(start, start_cont, replay))
         if self.expl_behavior is not None:
             metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
         return metrics
 
     def optimizer_state(self):
         state = {"model": self.wm.optimizer.state_dict(), "task": self.task_behavior.optimizer_state()}
-        if self.joint is not None:
-            state["joint"] = self.joint.optimizer.state_dict()
+        if self.updater.optimizer is not None:
+            state["update"] = self.updater.optimizer.state_dict()
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
             state["expl"] = {"ensemble": self.expl_behavior.optimizer.state_dict(),
                              "behavior": self.expl_behavior.behavior.optimizer_state()}
@@ -320,8 +314,8 @@ class Dreamer(nn.Module):
     def load_optimizer_state(self, state):
         self.wm.optimizer.load_state_dict(state["model"])
         self.task_behavior.load_optimizer_state(state["task"])
-        if self.joint is not None:
-            self.joint.optimizer.load_state_dict(state["joint"])
+        if self.updater.optimizer is not None:
+            self.updater.optimizer.load_state_dict(state["update"])
         if "expl" in state:
             self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
             self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])

@@ -105,6 +105,25 @@ class Optimizer:
         self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
 
 
+class SequentialUpdate:
+    """The paper's update (update 'sequential'): a world-model step, then the actor and the critic
+    learn in imagination from the detached posteriors, each network with its own optimizer."""
+
+    optimizer = None  # the networks' own optimizers hold all the state
+
+    def __init__(self, config, world_model, behavior):
+        self.wm, self.behavior = world_model, behavior
+
+    def train_step(self, data):
+        """One update on a preprocessed batch (B, T, ...); returns the detached posterior, the
+        embedding and the metrics."""
+        post, embed, metrics = self.wm.train_step(data)
+        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
+        metrics.update(self.behavior.train_step(start, data["cont"].reshape(-1), replay))
+        return post, embed, metrics
+
+
 class JointUpdate:
     """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
     critic, and one step on the sum of all their losses, all taken at the same parameters. The
@@ -138,6 +157,9 @@ class JointUpdate:
         self.behavior.update_slow_critic()
         metrics.update({self.behavior.prefix + k: v for k, v in behavior_metrics.items()})
         return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
+
+
+UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
 
 
 @contextlib.contextmanager
