@@ -17,7 +17,10 @@ import json
 import os
 import pathlib
 import random
+import re
+import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -61,6 +64,99 @@ CHOICES = {
     "resize": ("opencv", "pillow"),
     "actions": ("all", "needed"),
     "env_failure": ("restart", "stop"),
+}
+
+
+
+def valid_regex(text):
+    try:
+        re.compile(text)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def offline(flat):
+    """Offline training and --eval_only collect nothing, so they may run with --envs 0."""
+    return bool(flat.get("offline_traindir")) or bool(flat.get("eval_only"))
+
+
+# Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
+# config), what is valid). A key absent from a config is not checked.
+_at_least = lambda low: (lambda v, flat: v >= low)  # noqa: E731
+_positive = lambda v, flat: v > 0  # noqa: E731
+_fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
+RANGES = {
+    "steps": (_at_least(0), "a whole number >= 0"),
+    "envs": (lambda v, flat: v >= (0 if offline(flat) else 1),
+             "a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
+    "action_repeat": (_at_least(1), "a whole number >= 1"),
+    "size": (lambda v, flat: len(v) == 2 and all(isinstance(x, int) and x >= 1 for x in v),
+             "two whole numbers >= 1, e.g. 64,64"),
+    "time_limit": (_at_least(0), "a whole number >= 0 (0 for none)"),
+    "prefill": (_at_least(0), "a whole number >= 0"),
+    "pretrain": (_at_least(0), "a whole number >= 0"),
+    "eval_every": (_at_least(0), "a whole number >= 0"),
+    "eval_episode_num": (_at_least(0), "a whole number >= 0"),
+    "log_every": (_at_least(0), "a whole number >= 0"),
+    "expl_until": (_at_least(0), "a whole number >= 0"),
+    "noops": (_at_least(0), "a whole number >= 0"),
+    "dataset_size": (_at_least(1), "a whole number >= 1"),
+    "batch_size": (_at_least(1), "a whole number >= 1"),
+    "batch_length": (_at_least(1), "a whole number >= 1"),
+    "train_ratio": (_positive, "a number > 0"),
+    "model_lr": (_positive, "a number > 0"),
+    "opt_eps": (_positive, "a number > 0"),
+    "actor.lr": (_positive, "a number > 0"),
+    "actor.eps": (_positive, "a number > 0"),
+    "critic.lr": (_positive, "a number > 0"),
+    "critic.eps": (_positive, "a number > 0"),
+    "weight_decay": (_at_least(0), "a number >= 0"),
+    "grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "actor.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "critic.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "agc": (_at_least(0), "a number >= 0 (0 for none)"),
+    "warmup": (_at_least(0), "a whole number >= 0"),
+    "critic.repval": (_at_least(0), "a number >= 0"),
+    "dyn_img_layers": (_at_least(1), "a whole number >= 1"),
+    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
+                   "a whole number >= 1 that divides --dyn_deter"),
+    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "discount_lambda": (_fraction, "a number in [0, 1]"),
+    "imag_horizon": (_at_least(1), "a whole number >= 1"),
+    "imag_gradient_mix": (_fraction, "a number in [0, 1]"),
+    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "kl_free": (_at_least(0), "a number >= 0"),
+    "dyn_scale": (_at_least(0), "a number >= 0"),
+    "rep_scale": (_at_least(0), "a number >= 0"),
+    "dyn_hidden": (_at_least(1), "a whole number >= 1"),
+    "dyn_deter": (_at_least(1), "a whole number >= 1"),
+    "dyn_stoch": (_at_least(1), "a whole number >= 1"),
+    "dyn_discrete": (_at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
+    "dyn_rec_depth": (_at_least(1), "a whole number >= 1"),
+    "units": (_at_least(1), "a whole number >= 1"),
+    "critic.slow_target_update": (_at_least(1), "a whole number >= 1"),
+    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "actor.min_std": (_positive, "a number > 0"),
+    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
+    "dyn_min_std": (_at_least(0), "a number >= 0"),
+    "actor.entropy": (_at_least(0), "a number >= 0"),
+    "reward_head.loss_scale": (_at_least(0), "a number >= 0"),
+    "cont_head.loss_scale": (_at_least(0), "a number >= 0"),
+    "encoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
+    "decoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
+    "encoder.minres": (_at_least(1), "a whole number >= 1"),
+    "decoder.minres": (_at_least(1), "a whole number >= 1"),
+    "encoder.mlp_units": (_at_least(1), "a whole number >= 1"),
+    "decoder.mlp_units": (_at_least(1), "a whole number >= 1"),
+    "disag_models": (_at_least(1), "a whole number >= 1"),
+    "disag_units": (_at_least(1), "a whole number >= 1"),
+    "disag_offset": (_at_least(0), "a whole number >= 0"),
+    "encoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "encoder.cnn_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "decoder.mlp_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
+    "decoder.cnn_keys": (lambda v, flat: valid_regex(v), "a regular expression"),
 }
 
 # ==================================================================================================
@@ -193,13 +289,22 @@ def parse(argv, presets=None):
             node = node[parent]
         node[leaf] = value
     check_choices(flatten(config))
-    return Config(normalise(config))
+    config = normalise(config)
+    check_ranges(flatten(config))
+    return Config(config)
 
 
 def check_choices(flat):
     for key, valid in CHOICES.items():
         if key in flat and flat[key] not in valid:
             raise ConfigError(f"Invalid value '{flat[key]}' for --{key}; valid: {', '.join(map(str, valid))}")
+
+
+def check_ranges(flat):
+    for key, (valid, description) in RANGES.items():
+        if key in flat and not valid(flat[key], flat):
+            value = ",".join(map(str, flat[key])) if isinstance(flat[key], list) else flat[key]
+            raise ConfigError(f"Invalid value '{value}' for --{key}; valid: {description}")
 
 
 def normalise(config):
@@ -312,13 +417,15 @@ class Dreamer(nn.Module):
         return state
 
     def load_optimizer_state(self, state):
-        self.wm.optimizer.load_state_dict(state["model"])
-        self.task_behavior.load_optimizer_state(state["task"])
+        """Returns the optimizer settings of this config that replace differing saved ones."""
+        changes = self.wm.optimizer.load_state_dict(state["model"])
+        changes += self.task_behavior.load_optimizer_state(state["task"])
         if self.updater.optimizer is not None:
-            self.updater.optimizer.load_state_dict(state["update"])
+            changes += self.updater.optimizer.load_state_dict(state["update"])
         if "expl" in state:
-            self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
-            self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+            changes += self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
+            changes += self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+        return changes
 
 
 # ==================================================================================================
@@ -483,7 +590,14 @@ def compare_saved_config(config, path):
     """Warnings for keys that differ from the run's saved config; a different task is an error."""
     from ruamel.yaml import YAML
 
-    saved = flatten(YAML(typ="safe", pure=True).load(path.read_text()))
+    try:
+        saved = YAML(typ="safe", pure=True).load(path.read_text())
+    except Exception as e:  # noqa: BLE001 - any parse error: the file is unusable
+        raise ConfigError(f"Cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                          "fix or delete it (this run's settings are the command line)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"Cannot read {path}: expected a mapping of config keys; fix or delete it")
+    saved = flatten(saved)
     current = flatten(config.to_dict())
     if saved.get("task") != current["task"]:
         raise ConfigError(f"--task {current['task']} differs from this run's task '{saved.get('task')}' "
@@ -537,6 +651,7 @@ class Counters:
         self.policy_steps = 0
         self.updates = 0
         self.episodes = 0
+        self.stored_steps = 0  # policy steps in the training episode files when last saved
 
 
 class Progress:
@@ -584,16 +699,19 @@ class Trainer:
         self.counters = Counters()
         self.schedules = {"train": tools.Ratio(config.train_ratio, config.batch_size * config.batch_length),
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+        # Stored episodes must fit the run's spaces (a Trainer without environments takes them on trust).
+        env = (train_envs or eval_envs or [None])[0]
+        self.episode_spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
+        self.notes = []  # lines for the start-up summary
+        self.skipped = 0
         self.replay, loaded_steps = self.load_replay()
         self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
         evaldir = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
-        for episode in tools.load_episodes(evaldir, 100 * config.batch_length):
+        for episode in tools.load_episodes(evaldir, 100 * config.batch_length, self.episode_spec, self.skip):
             self.eval_replay.add_episode(strip_logs(episode))
-        self.resumed = self.checkpoint.exists()
-        if self.resumed:
-            self.restore(tools.load_checkpoint(self.checkpoint, config.device))
-        elif not config.offline_traindir:  # episodes of a run killed before its first checkpoint count
-            self.counters.policy_steps = loaded_steps
+        self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
+        self.saved_frames = None  # frame of the checkpoint on disk
+        self.resumed = self.resume()
         self.recent_episodes = []
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
@@ -610,15 +728,50 @@ class Trainer:
         replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
-        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size)):
+        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, self.episode_spec, self.skip)):
             replay.add_episode(strip_logs(episode), i % len(replay.streams))
             loaded_steps += len(episode["reward"]) - 1
         return replay, loaded_steps
+
+    def skip(self, filename, problem):
+        tools.skip_warning(filename, problem)
+        self.skipped += 1
+
+    def resume(self):
+        """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
+        config = self.config
+        state, path, notes = tools.load_checkpoint_or_previous(self.checkpoint, config.device)
+        self.notes += [f"WARNING: {note}" for note in notes]
+        stored = 0 if config.offline_traindir else tools.stored_steps(self.traindir)
+        if state is None:
+            self.counters.stored_steps = stored
+            # Episodes of a run killed before its first checkpoint count towards the budget.
+            self.counters.policy_steps = stored
+            if stored:
+                self.notes.append(f"WARNING: no checkpoint in {self.logdir}, but {self.traindir} holds "
+                                  f"{stored * config.action_repeat} frames of episodes: training starts from "
+                                  "fresh weights and the frame count continues from them")
+            return False
+        check_fits(self.agent, state["agent"], path)
+        changes = self.restore(state)
+        self.saved_frames = self.frames
+        if changes:
+            self.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
+        # After a kill -9, episodes written after the checkpoint are in replay; their frames were
+        # spent, so the budget counts them (an episode running at the save may count twice).
+        extra = stored - state["counters"].get("stored_steps", stored)
+        self.counters.stored_steps = stored
+        if extra > 0:
+            self.counters.policy_steps += extra
+            self.notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
+                              f"checkpoint (frame {self.saved_frames})")
+        return True
 
     # -- acting and learning ------------------------------------------------------------------------
 
     def on_episode(self, episode):
         self.counters.episodes += 1
+        self.counters.stored_steps += len(episode["reward"]) - 1
         self.recent_episodes.append(episode)
         stats = episode_stats(episode)
         self.logger.scalar("train/return", stats["return"])
@@ -674,14 +827,19 @@ class Trainer:
             if self.eval_envs:
                 self.evaluate()
             self.log()
-        finally:
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
+            self.save_on_interrupt()
+            raise
+        else:
             self.save()
+        finally:
             self.progress.close()
             self.logger.close()
 
     # -- logging, evaluation, checkpoints -----------------------------------------------------------
 
     def log(self):
+        self.check_losses()
         config, counters = self.config, self.counters
         now, frames = time.time(), self.frames
         for key, values in self.metrics.items():
@@ -736,29 +894,106 @@ class Trainer:
         return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
                 and replay.ready(config.batch_length))
 
+    def check_losses(self):
+        """End the run on a non-finite loss among the updates since the last log. Checked here and
+        before every save, not per update: one device sync per log instead of one per update."""
+        losses = {key: torch.stack(values) for key, values in self.metrics.items() if key.endswith("_loss")}
+        if not losses or tools.all_finite(losses):
+            return
+        first = {}
+        for key, values in losses.items():
+            bad = (~torch.isfinite(values.float())).nonzero()
+            if len(bad):
+                index = int(bad[0])
+                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
+        key = min(first, key=lambda k: first[k][0])
+        update, value = first[key]
+        kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+        raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
+                             f"without saving ({kept})")
+
     def save(self):
+        self.check_losses()
         schedules = self.schedules
-        tools.save_checkpoint(self.checkpoint, {
+        state = {
             "agent": self.agent.state_dict(),
             "optimizers": self.agent.optimizer_state(),
             "counters": dict(vars(self.counters)),
             "schedules": {"train": schedules["train"].updates, "log": schedules["log"].last,
                           "eval": schedules["eval"].last},
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "replay": self.replay.rng.bit_generator.state},
-        })
+            "rng": rng_state(self.replay.rng),
+        }
+        try:
+            tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
+        except tools.CheckpointError:
+            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
+                                 f"the run stops without saving ({kept})") from None
+        self.saved_frames = self.frames
+
+    def save_on_interrupt(self):
+        try:
+            self.save()
+        except NonFiniteError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
 
     def restore(self, state):
+        """Returns the optimizer settings of this config that replaced differing saved ones."""
         self.agent.load_state_dict(state["agent"])
-        self.agent.load_optimizer_state(state["optimizers"])
+        changes = self.agent.load_optimizer_state(state["optimizers"])
         vars(self.counters).update(state["counters"])
         self.schedules["train"].updates = state["schedules"]["train"]
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        self.replay.rng.bit_generator.state = state["rng"]["replay"]
+        set_rng_state(state["rng"], self.replay.rng)
+        return changes
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or weight went NaN or infinite: the run stops without saving."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what cluster schedulers send before a kill), handled like Ctrl-C."""
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted()
+
+
+def rng_state(replay_rng):
+    """Every random state as tensors and plain lists, so checkpoints load with weights_only."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
+
+
+def set_rng_state(state, replay_rng):
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    replay_rng.bit_generator.state = state["replay"]
+
+
+def check_fits(agent, saved, path):
+    """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
+    current = agent.state_dict()
+    differ = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if not (differ or missing or unexpected):
+        return
+    if differ:
+        key = differ[0]
+        example = f"{key} is {tuple(saved[key].shape)} there, {tuple(current[key].shape)} here"
+    else:
+        example = f"{(missing or unexpected)[0]} is only {'here' if missing else 'there'}"
+    raise ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
+                      f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
+                      "saved config.yaml or use another --logdir")
 
 
 def strip_logs(episode):
@@ -791,7 +1026,10 @@ def log_evaluation(logger, episodes, config):
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
     """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
-    state = tools.load_checkpoint(logdir / "latest.pt", config.device)
+    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device)
+    for note in notes:
+        print(f"WARNING: {note}", flush=True)
+    check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = run_episodes(agent, eval_envs, config.eval_episode_num, None)
     returns = [episode_stats(e)["return"] for e in episodes]
@@ -815,6 +1053,45 @@ def write_mp4(path, frames, fps=30):
     os.replace(tmp, path)
 
 
+def usage():
+    """--help: how to call the script, and the presets to start from."""
+    presets = [name for name in load_presets() if name != "defaults"]
+    return "\n".join([
+        "usage: python3 dreamer.py [--configs PRESET ...] --logdir DIR [--KEY VALUE ...]",
+        "",
+        __doc__.strip().splitlines()[0],
+        "",
+        "Presets (merged in the order given, over `defaults`): " + ", ".join(presets),
+        f"Every key of {CONFIG_FILE.name} is a flag: --task dmc_walker_walk, --actor.lr 1e-4, --size 64,64;",
+        "a boolean flag alone means True. Rerunning the same command resumes the run in --logdir.",
+    ])
+
+
+def check_logdir(logdir):
+    """The logdir must be a folder, or creatable, and writable: probed with a temporary file that
+    is removed again, because permission bits say nothing for root or read-only mounts."""
+    if logdir.exists() and not logdir.is_dir():
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: it is a file, not a folder")
+    existing = next(p for p in (logdir, *logdir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"Invalid value '{logdir}' for --logdir: cannot write in {existing} "
+                          f"({e.strerror or e})") from None
+
+
+def check_offline_traindir(config):
+    if not config.offline_traindir:
+        return
+    folder = pathlib.Path(config.offline_traindir).expanduser()
+    if not folder.is_dir() or not any(folder.glob("*.npz")):
+        raise ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: "
+                          f"{'no episode files (*.npz) in it' if folder.is_dir() else 'no such folder'}")
+
+
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written."""
     config = parse(sys.argv[1:] if argv is None else argv)
@@ -822,18 +1099,48 @@ def setup(argv):
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     envs.check_task(config.task)
     logdir = pathlib.Path(config.logdir).expanduser()
+    check_logdir(logdir)
+    check_offline_traindir(config)
     warnings_ = []
     if (logdir / "config.yaml").exists():
         warnings_ = compare_saved_config(config, logdir / "config.yaml")
-    if config.eval_only and not (logdir / "latest.pt").exists():
-        raise ConfigError(f"--eval_only needs a checkpoint, but {logdir / 'latest.pt'} does not exist")
+    checkpoint = logdir / "latest.pt"
+    if config.eval_only and not (checkpoint.exists() or tools.previous_path(checkpoint).exists()):
+        raise ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     return config, logdir, resolve_device(config), warnings_
 
 
 def main(argv=None):
+    """Parse, build, train; Ctrl-C and SIGTERM save and end without a traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return None
+    previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        return run(argv)
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
+        print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
+        sys.exit(143 if isinstance(e, Interrupted) else 130)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
+        fail(str(e))
+    # One run per logdir, held until this process ends. A logdir that exists may be in use: check
+    # before building anything; a new one is locked once created. --eval_only only reads, so it
+    # may run beside training.
+    try:
+        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only else None
+    except tools.LogdirBusy as e:
         fail(str(e))
     seed_everything(config.seed, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
@@ -855,11 +1162,17 @@ def main(argv=None):
             env.close()
         fail(str(e).strip().splitlines()[-1])
     try:
-        if config.eval_only:
-            return evaluate_checkpoint(config, agent, logdir, eval_envs)
-        logdir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+        try:
+            if config.eval_only:
+                return evaluate_checkpoint(config, agent, logdir, eval_envs)
+            logdir.mkdir(parents=True, exist_ok=True)
+            lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+        except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
+            fail(str(e))
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None), flush=True)
+        for line in trainer.notes:
+            print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
         save_config(config, logdir / "config.yaml")

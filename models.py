@@ -68,6 +68,8 @@ class Optimizer:
     never waits on the device.
     """
 
+    SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
+
     def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False, agc=0.0,
                  warmup=0):
         self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
@@ -97,12 +99,26 @@ class Optimizer:
         return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": norm.detach()}
 
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates}
+        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates,
+                "base_lr": self.lr}
 
     def load_state_dict(self, state):
+        """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
+        a user who changed them on resume means them. Returns one line per setting that differs
+        from the saved one."""
+        settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
         self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
+        changes = []
+        for group, current in zip(self.opt.param_groups, settings):
+            if "base_lr" in state:  # mid warm-up the saved rate is a ramped one: compare the target rate
+                group["lr"] = state["base_lr"]
+            for key, value in current.items():
+                if group[key] != value:
+                    changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")
+                group[key] = value
+        return changes
 
 
 class SequentialUpdate:
@@ -552,5 +568,5 @@ class ActorCritic(nn.Module):
         return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
 
     def load_optimizer_state(self, state):
-        self.actor_opt.load_state_dict(state["actor"])
-        self.critic_opt.load_state_dict(state["critic"])
+        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
+        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])

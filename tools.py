@@ -14,6 +14,10 @@ import io
 import json
 import os
 import pathlib
+import pickle
+import signal
+import sys
+import threading
 import uuid
 import warnings
 
@@ -248,10 +252,46 @@ def save_episode(directory, episode):
     return filename
 
 
-def load_episodes(directory, limit=None):
+def episode_spec(obs_space, act_space):
+    """What every stored episode must hold: key -> (per-step shape, dtype), from the run's spaces."""
+    spec = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in obs_space.items() if not k.startswith("log_")}
+    spec["action"] = (tuple(act_space.shape), np.dtype(np.float32))
+    spec["reward"] = ((), np.dtype(np.float32))
+    return spec
+
+
+def episode_problem(episode, spec):
+    """Why `episode` (dict of (T, ...) arrays) does not fit `spec`, or None when it does.
+
+    `log_*` keys are free: they only feed the suite metrics.
+    """
+    keys = {k for k in episode if not k.startswith("log_")}
+    if keys - set(spec):
+        return f"unexpected keys {sorted(keys - set(spec))}"
+    if set(spec) - keys:
+        return f"missing keys {sorted(set(spec) - keys)}"
+    lengths = {len(v) if np.ndim(v) else 0 for k, v in episode.items() if k in spec}
+    if len(lengths) != 1 or 0 in lengths:
+        return f"keys of different or zero lengths {sorted(lengths)}"
+    for key, (shape, dtype) in spec.items():
+        value = episode[key]
+        if value.shape[1:] != shape:
+            return f"'{key}' has step shape {value.shape[1:]}, expected {shape}"
+        if value.dtype != dtype:
+            return f"'{key}' has dtype {value.dtype}, expected {dtype}"
+    return None
+
+
+def skip_warning(filename, problem):
+    """One line per skipped episode file."""
+    print(f"warning: skipping episode {filename}: {problem}", file=sys.stderr, flush=True)
+
+
+def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
     """Load the newest episodes whose lengths sum to at most `limit` steps, oldest first.
 
-    A corrupt or unreadable file is skipped with a warning rather than ending the run.
+    A corrupt or unreadable file, and with `spec` (see `episode_spec`) an episode that does not
+    fit the run's spaces, is skipped and reported to `on_skip(filename, problem)`, never fatal.
     """
     directory = pathlib.Path(directory)
     if not directory.exists():
@@ -263,8 +303,13 @@ def load_episodes(directory, limit=None):
             with filename.open("rb") as f:
                 data = np.load(f)
                 episode = {k: data[k] for k in data.keys()}
+            problem = episode_problem(episode, spec) if spec is not None else None
+            if problem is None and "reward" not in episode:
+                problem = "missing key 'reward'"
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
-            warnings.warn(f"Skipping unreadable episode {filename}: {e}", stacklevel=2)
+            problem = f"unreadable ({e})"
+        if problem is not None:
+            on_skip(filename, problem)
             continue
         length = len(episode["reward"])
         if limit is not None and total + length > limit:
@@ -272,6 +317,18 @@ def load_episodes(directory, limit=None):
         total += length
         episodes.append(episode)
     return episodes[::-1]
+
+
+def stored_steps(directory):
+    """Policy steps held in a folder's episode files, read from their names (`...-<length>.npz`,
+    which counts the first, action-less step too) without opening them."""
+    total = 0
+    for filename in pathlib.Path(directory).glob("*.npz"):
+        try:
+            total += max(0, int(filename.stem.rsplit("-", 1)[1]) - 1)
+        except (IndexError, ValueError):
+            continue
+    return total
 
 
 class Stream:
@@ -369,14 +426,137 @@ def atomic_write_bytes(path, data):
     os.replace(tmp, path)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: unreadable, unsafe to unpickle, or with non-finite values."""
+
+
+def tensors(tree):
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors(value)
+
+
+def all_finite(tree):
+    """Whether every floating-point tensor in `tree` is finite (one device sync in all)."""
+    flags = [torch.isfinite(t).all() for t in tensors(tree) if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def previous_path(path):
+    """Where `save_checkpoint` keeps the checkpoint it replaced: latest.pt -> previous.pt."""
+    return pathlib.Path(path).with_name("previous.pt")
+
+
 def save_checkpoint(path, state):
+    """Write `state` to `path` atomically and keep the checkpoint it replaces as previous.pt.
+
+    A kill between the two renames leaves only previous.pt, which `load_checkpoint_or_previous`
+    falls back to. Non-finite weights are refused: they would replace the last good checkpoint.
+    """
+    if not all_finite(state):
+        raise CheckpointError("the state to save holds non-finite values")
+    path = pathlib.Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    atomic_write_bytes(tmp, buffer.getvalue())
+    # Ctrl-C or SIGTERM between the renames would leave only previous.pt; hold them until done.
+    signals = {signal.SIGINT, signal.SIGTERM}
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        if path.exists():
+            os.replace(path, previous_path(path))
+        os.replace(tmp, path)
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def load_checkpoint(path, device="cpu"):
-    return torch.load(path, map_location=device, weights_only=False)
+    """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
+
+    Raises CheckpointError, with the reason in one line, for anything else.
+    """
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch names what it refused after "WeightsUnpickler error:"; "Unsupported global" means
+        # the file asks to call or build something, anything else is a damaged file.
+        reason = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+        if "global" not in reason.lower():
+            raise CheckpointError(f"cannot read {path}: not a checkpoint ({reason})") from None
+        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
+                              f"which could run code ({reason})") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {str(e).strip().splitlines()[0][:200]}") from None
+
+
+def load_checkpoint_or_previous(path, device="cpu"):
+    """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
+    unreadable or non-finite; (None, None, notes) when neither exists.
+
+    A checkpoint that is unsafe to unpickle is an error, never skipped: someone changed the file.
+    """
+    path, notes = pathlib.Path(path), []
+    for candidate in (path, previous_path(path)):
+        if not candidate.exists():
+            if candidate == path and previous_path(path).exists():
+                notes.append(f"{path} is missing")
+            continue
+        try:
+            state = load_checkpoint(candidate, device)
+        except CheckpointError as e:
+            if "refusing" in str(e):
+                raise
+            notes.append(str(e))
+            continue
+        if not all_finite(state):
+            notes.append(f"{candidate} holds non-finite values")
+            continue
+        if candidate != path:
+            notes.append(f"using the previous checkpoint {candidate}")
+        return state, candidate, notes
+    if notes:
+        raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
+    return None, None, notes
+
+
+class LogdirBusy(RuntimeError):
+    """Another live process holds the run's logdir."""
+
+
+def lock_logdir(logdir):
+    """Hold an exclusive lock on `logdir` for as long as the returned file stays open.
+
+    flock locks belong to the open file, so the kernel releases them when the holder exits in any
+    way, kill -9 included: a dead run never leaves its logdir locked. The holder's pid and host
+    are written into the file so a second run can name it.
+    """
+    import fcntl
+    import socket
+
+    f = (pathlib.Path(logdir) / "run.lock").open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown process"
+        f.close()
+        raise LogdirBusy(f"{logdir} is in use by another run ({holder}); wait for it to end or use another "
+                         "--logdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 class Logger:

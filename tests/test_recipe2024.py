@@ -748,3 +748,15 @@ def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
         "layer", "fan_avg", "adam", "sequential", "gru")
     assert (defaults.encoder.cnn, defaults.decoder.cnn, defaults.critic.repval, defaults.cont_head.contdisc) == (
         "strided", "transposed", 0.0, False)
+
+
+def test_new_keys_are_range_checked_at_start_up():
+    with pytest.raises(dreamer.ConfigError, match="--dyn_blocks; valid: a whole number >= 1 that divides --dyn_deter"):
+        make_config("--dyn_cell", "blockgru", "--dyn_deter", "30")
+    make_config("--dyn_deter", "30")  # the GRU of v1 has no blocks to divide into
+    for key in ("--agc", "--critic.repval"):
+        with pytest.raises(dreamer.ConfigError, match=f"Invalid value '-1.0' for {key}"):
+            make_config(key, "-1.0")
+    with pytest.raises(dreamer.ConfigError, match="--warmup"):
+        make_config("--warmup", "-1")
+    assert make_config("--grad_clip", "0").grad_clip == 0  # 0: no global clip

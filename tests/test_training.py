@@ -145,13 +145,17 @@ def test_killed_run_resumes_with_episodes_intact(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert (logdir / "latest.pt").exists()
-    killed_at = torch.load(logdir / "latest.pt", weights_only=False)["counters"]["policy_steps"] * 2
+    counters = torch.load(logdir / "latest.pt", weights_only=True)["counters"]
+    stored = 0
     for path in (logdir / "train_eps").glob("*.npz"):
         with np.load(path) as episode:
             assert episode["is_last"][-1]  # only whole episodes are ever on disk
-    result = train(logdir, "--steps", str(killed_at + 100), "--eval_every", "200")
-    assert f"resumed from frame {killed_at}" in result.stdout
-    assert metrics(logdir)[-1]["step"] == killed_at + 100
+            stored += len(episode["reward"]) - 1
+    # Episodes finished after the checkpoint were played: the frame count includes them.
+    resumed_at = 2 * (counters["policy_steps"] + stored - counters["stored_steps"])
+    result = train(logdir, "--steps", str(resumed_at + 100), "--eval_every", "200")
+    assert f"resumed from frame {resumed_at}" in result.stdout
+    assert metrics(logdir)[-1]["step"] == resumed_at + 100
 
 
 FAULTS_AFTER_REALLOCATION = """

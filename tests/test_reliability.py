@@ -1,0 +1,394 @@
+"""Reliability (issue 12): a crash never destroys a run, one run per logdir, checkpoints load
+without running code, resume honours what the user changed, every bad value is one line.
+
+Short `dreamer.main` runs of the debug preset run in this process; only the signal and lock
+checks start processes of their own.
+"""
+
+import copy
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import dreamer  # noqa: E402
+import tools  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRESETS = dreamer.load_presets()
+SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_config(*flags):
+    return dreamer.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
+
+
+def main(capsys, *args):
+    """dreamer.main in this process: (exit status, stdout, stderr)."""
+    try:
+        dreamer.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:  # escaping main would end the test session instead of failing a test
+        code = "KeyboardInterrupt escaped"
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(folder, skip=("run.lock",)):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in pathlib.Path(folder).rglob("*")
+            if p.is_file() and p.name not in skip}
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A finished 40-frame run (one 20-step episode, one checkpoint); tests copy it before changing it."""
+    logdir = tmp_path_factory.mktemp("base") / "run"
+    dreamer.main([*SHORT, "--logdir", str(logdir), "--steps", "40"])
+    return logdir
+
+
+@pytest.fixture
+def run_copy(base_run, tmp_path):
+    logdir = tmp_path / "run"
+    shutil.copytree(base_run, logdir)
+    return logdir
+
+
+def trainer_for(logdir):
+    config = make_config(*SHORT[2:], "--logdir", str(logdir))
+    env_list = dreamer.make_envs(config, "train", 1)
+    agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)
+    return dreamer.Trainer(config, agent, logdir, env_list, [])
+
+
+# -- 1. a crash never overwrites the last good checkpoint ---------------------------------------------
+
+
+def test_non_finite_loss_ends_the_run_with_one_line_and_keeps_the_checkpoint(run_copy, capsys, monkeypatch):
+    before = (run_copy / "latest.pt").read_bytes()
+    train_step = dreamer.Dreamer.train_step
+
+    def poisoned(self, batch):
+        metrics = train_step(self, batch)
+        metrics["model_loss"] = metrics["model_loss"] * float("nan")
+        return metrics
+
+    monkeypatch.setattr(dreamer.Dreamer, "train_step", poisoned)
+    code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "non-finite world_model/model_loss (nan) at update" in lines[0], err
+    assert "latest.pt keeps frame 40" in lines[0]
+    assert (run_copy / "latest.pt").read_bytes() == before
+
+
+def test_an_exception_during_training_saves_nothing(run_copy, monkeypatch):
+    before = (run_copy / "latest.pt").read_bytes()
+
+    def out_of_memory(self, batch):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(dreamer.Dreamer, "train_step", out_of_memory)
+    with pytest.raises(MemoryError):
+        dreamer.main([*SHORT, "--logdir", str(run_copy), "--steps", "80"])
+    assert (run_copy / "latest.pt").read_bytes() == before
+    assert not (run_copy / "previous.pt").exists()
+
+
+def test_saves_keep_the_previous_checkpoint_and_loading_falls_back_to_it(tmp_path):
+    path = tmp_path / "latest.pt"
+    tools.save_checkpoint(path, {"w": torch.ones(2), "step": 1})
+    tools.save_checkpoint(path, {"w": torch.ones(2), "step": 2})
+    assert tools.load_checkpoint(tools.previous_path(path))["step"] == 1
+    with pytest.raises(tools.CheckpointError, match="non-finite"):
+        tools.save_checkpoint(path, {"w": torch.tensor([1.0, float("inf")]), "step": 3})
+    assert tools.load_checkpoint(path)["step"] == 2  # the refused save replaced nothing
+    state, used, notes = tools.load_checkpoint_or_previous(path)
+    assert (state["step"], used, notes) == (2, path, [])
+    for damage in (b"garbage", None):  # unreadable, then non-finite
+        if damage is None:
+            torch.save({"w": torch.tensor([float("nan")]), "step": 9}, path)
+        else:
+            path.write_bytes(damage)
+        state, used, notes = tools.load_checkpoint_or_previous(path)
+        assert state["step"] == 1 and used == tmp_path / "previous.pt"
+        assert notes[-1] == f"using the previous checkpoint {used}"
+    path.unlink()  # a kill between the two renames of a save
+    state, used, notes = tools.load_checkpoint_or_previous(path)
+    assert state["step"] == 1 and "is missing" in notes[0]
+
+
+def test_non_finite_weights_are_never_saved(run_copy):
+    before = (run_copy / "latest.pt").read_bytes()
+    trainer = trainer_for(run_copy)
+    with torch.no_grad():
+        next(trainer.agent.parameters())[0] = float("nan")
+    with pytest.raises(dreamer.NonFiniteError, match=r"non-finite weights .* \(latest.pt keeps frame 40\)"):
+        trainer.save()
+    assert (run_copy / "latest.pt").read_bytes() == before and not (run_copy / "previous.pt").exists()
+    trainer.train_envs[0].close()
+
+
+# -- 2. episode files are validated against the run's spaces ------------------------------------------
+
+
+SPACES = ({"image": gymnasium.spaces.Box(0, 255, (4, 4, 3), np.uint8),
+           "is_first": gymnasium.spaces.Box(0, 1, (), bool)},
+          gymnasium.spaces.Box(-1, 1, (2,), np.float32))
+
+
+def fitting_episode(length=5):
+    return {"image": np.zeros((length, 4, 4, 3), np.uint8), "is_first": np.arange(length) == 0,
+            "action": np.zeros((length, 2), np.float32), "reward": np.zeros(length, np.float32),
+            "log_extra": np.zeros(length)}
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda e: e.pop("image"), "missing keys ['image']"),
+    (lambda e: e.update(other=e["reward"]), "unexpected keys ['other']"),
+    (lambda e: e.update(image=np.zeros((5, 8, 8, 3), np.uint8)),
+     "'image' has step shape (8, 8, 3), expected (4, 4, 3)"),
+    (lambda e: e.update(action=e["action"].astype(np.float64)), "'action' has dtype float64, expected float32"),
+    (lambda e: e.update(reward=e["reward"][:3]), "keys of different or zero lengths [3, 5]"),
+])
+def test_episodes_that_do_not_fit_the_spaces_are_skipped_with_one_line(tmp_path, capsys, change, problem):
+    tools.save_episode(tmp_path, fitting_episode())
+    time.sleep(0.01)  # names sort by time
+    bad = fitting_episode()
+    change(bad)
+    tools.save_episode(tmp_path, bad)
+    skipped = []
+    loaded = tools.load_episodes(tmp_path, spec=tools.episode_spec(*SPACES),
+                                 on_skip=lambda f, p: skipped.append(p))
+    assert len(loaded) == 1 and skipped == [problem]
+    tools.load_episodes(tmp_path, spec=tools.episode_spec(*SPACES))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: skipping episode") and problem in lines[0]
+
+
+def test_start_up_summary_counts_skipped_episodes(run_copy, capsys):
+    good = sorted((run_copy / "train_eps").glob("*.npz"))[0]
+    with np.load(good) as data:
+        episode = {k: data[k] for k in data.keys() if k != "velocity"}
+    tools.save_episode(run_copy / "train_eps", episode)
+    code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "40")
+    assert code == 0
+    assert "Episodes: 20 replay steps loaded, 1 files skipped" in out
+    assert "missing keys ['velocity']" in err
+
+
+# -- 3. one run per logdir ------------------------------------------------------------------------------
+
+# Another run as the kernel sees it: a process holding flock on run.lock (without the cost of
+# importing torch; tools.lock_logdir's own pid line is checked below).
+HOLD_LOCK = """
+import fcntl, os, socket, sys, time
+f = open(os.path.join(sys.argv[1], "run.lock"), "a+")
+fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.truncate(0)
+f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+f.flush()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_stops_with_one_line_and_a_killed_holder_leaves_no_lock(run_copy, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_copy)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = snapshot(run_copy, skip=())
+        code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
+        assert code == 2 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and f"in use by another run (pid {holder.pid} on " in lines[0], err
+        assert snapshot(run_copy, skip=()) == before
+    finally:
+        holder.kill()  # kill -9: the kernel releases the lock
+        holder.wait()
+    lock = tools.lock_logdir(run_copy)
+    with pytest.raises(tools.LogdirBusy, match=f"pid {os.getpid()} on"):
+        tools.lock_logdir(run_copy)
+    lock.close()
+
+
+# -- 4. checkpoints load without running code ------------------------------------------------------------
+
+
+class Malicious:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_says_why(run_copy, capsys):
+    marker = run_copy.parent / "pwned"
+    state = tools.load_checkpoint(run_copy / "latest.pt")
+    state["counters"]["note"] = Malicious(marker)
+    torch.save(state, run_copy / "latest.pt")
+    code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--eval_only", "--eval_episode_num", "1")
+    assert not marker.exists()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "could run code" in err, err
+    code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "refusing to load" in err, err
+    with pytest.raises(tools.CheckpointError, match="refusing to load"):
+        tools.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
+    assert not marker.exists()
+
+
+# -- 5. resume honours what the user changed ----------------------------------------------------------------
+
+
+def test_changed_optimizer_settings_apply_on_resume_and_are_reported(run_copy, capsys):
+    code, out, _ = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "60", "--model_lr", "3e-4",
+                        "--actor.eps", "1e-6", "--critic.lr", "2e-5", "--weight_decay", "0.1")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("Optimizer settings from this config"))
+    for change in ("model lr 0.0001 -> 0.0003", "actor eps 1e-05 -> 1e-06", "critic lr 3e-05 -> 2e-05",
+                   "model weight_decay 0 -> 0.1"):
+        assert change in line
+    saved = tools.load_checkpoint(run_copy / "latest.pt")["optimizers"]
+    assert saved["model"]["opt"]["param_groups"][0]["lr"] == pytest.approx(3e-4)
+    assert saved["model"]["opt"]["param_groups"][0]["weight_decay"] == pytest.approx(0.1)
+    assert saved["task"]["actor"]["opt"]["param_groups"][0]["eps"] == pytest.approx(1e-6)
+    assert saved["task"]["critic"]["opt"]["param_groups"][0]["lr"] == pytest.approx(2e-5)
+
+
+def test_a_config_that_does_not_fit_the_checkpoint_is_one_line_and_writes_nothing(run_copy, capsys):
+    before = snapshot(run_copy)
+    code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80", "--units", "48")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "does not fit this config" in lines[0] and ", 48) here)" in lines[0], err
+    assert snapshot(run_copy) == before
+
+
+def test_frames_of_episodes_stored_after_the_checkpoint_count_towards_the_budget(run_copy):
+    """What a kill -9 leaves: episodes written after the last checkpoint."""
+    episodes = sorted((run_copy / "train_eps").glob("*.npz"))
+    for i, path in enumerate(episodes):
+        shutil.copy(path, path.with_name(f"99990101T00000000000{i}-after000-{path.stem.rsplit('-', 1)[1]}.npz"))
+    trainer = trainer_for(run_copy)
+    assert trainer.resumed and trainer.frames == 80  # 40 checkpointed + 20 steps of 2 frames stored afterwards
+    assert "Counted 40 frames of episodes stored after the checkpoint (frame 40)" in trainer.notes
+    assert trainer.counters.stored_steps == 40  # each stored step counts once
+    trainer.train_envs[0].close()
+
+
+def test_a_missing_checkpoint_beside_episodes_is_said_loudly(run_copy):
+    (run_copy / "latest.pt").unlink()
+    trainer = trainer_for(run_copy)
+    assert not trainer.resumed and trainer.frames == 40
+    assert any(n.startswith("WARNING: no checkpoint in") and "40 frames of episodes" in n for n in trainer.notes)
+    trainer.train_envs[0].close()
+
+
+def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
+    """What cluster schedulers send before a kill; its own process, since the handler is the point."""
+    logdir = tmp_path / "run"
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, str(ROOT / "dreamer.py"), *SHORT, "--time_limit", "20", "--logdir",
+                                str(logdir), "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((logdir / "train_eps").glob("*.npz")):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == ["Stopped by SIGTERM; rerun the same command to resume."]
+    state = tools.load_checkpoint(logdir / "latest.pt")
+    assert state["counters"]["policy_steps"] >= 10 and state["counters"]["stored_steps"] >= 10
+
+
+def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt wherever the main thread is; here in the third update."""
+    train_step, calls = dreamer.Dreamer.train_step, []
+
+    def interrupted(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return train_step(self, batch)
+
+    monkeypatch.setattr(dreamer.Dreamer, "train_step", interrupted)
+    code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "400")
+    assert code == 130 and err.strip().splitlines() == ["Stopped by Ctrl-C; rerun the same command to resume."]
+    state = tools.load_checkpoint(run_copy / "latest.pt")
+    assert state["counters"]["updates"] > tools.load_checkpoint(run_copy / "previous.pt")["counters"]["updates"]
+
+
+# -- 6. every bad value is one line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch_length", "0"], "Invalid value '0' for --batch_length; valid: a whole number >= 1"),
+    (["--train_ratio", "0"], "Invalid value '0' for --train_ratio; valid: a number > 0"),
+    (["--train_ratio", "-1"], "Invalid value '-1' for --train_ratio"),
+    (["--action_repeat", "0"], "Invalid value '0' for --action_repeat"),
+    (["--action_repeat", "-2"], "Invalid value '-2' for --action_repeat"),
+    (["--size", "0,0"], "Invalid value '0,0' for --size; valid: two whole numbers >= 1"),
+    (["--envs", "0"], "Invalid value '0' for --envs; valid: a whole number >= 1 (0 only with --offline_traindir"),
+    (["--envs", "-1"], "Invalid value '-1' for --envs"),
+    (["--encoder.cnn_keys", "ima(ge"], "Invalid value 'ima(ge' for --encoder.cnn_keys; valid: a regular expression"),
+    (["--decoder.mlp_keys", "*"], "Invalid value '*' for --decoder.mlp_keys"),
+    (["--offline_traindir", "{tmp}/absent"], "for --offline_traindir: no such folder"),
+    (["--offline_traindir", "{tmp}"], "for --offline_traindir: no episode files (*.npz) in it"),
+    (["--logdir", "{tmp}/file"], "for --logdir: it is a file, not a folder"),
+    (["--logdir", "{tmp}/file/run"], "is a file, not a folder"),
+    (["--logdir", "/proc/no_such_run/run"], "for --logdir: cannot write in /proc"),
+])
+def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, args, message):
+    (tmp_path / "file").write_text("")
+    logdir = tmp_path / "run"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code, out, err = main(capsys, *SHORT, "--logdir", str(logdir), *args)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_an_invalid_saved_config_is_one_line(run_copy, capsys):
+    (run_copy / "config.yaml").write_text("task: [unclosed\n")
+    before = snapshot(run_copy)
+    code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Cannot read" in err and "fix or delete it" in err
+    assert snapshot(run_copy) == before
+
+
+def test_zero_envs_is_meaningful_only_offline():
+    assert make_config("--envs", "0", "--offline_traindir", "x").envs == 0
+    assert make_config("--envs", "0", "--eval_only").envs == 0
+    with pytest.raises(dreamer.ConfigError, match="--envs"):
+        make_config("--envs", "0")
+
+
+def test_help_prints_usage_and_presets(capsys):
+    code, out, err = main(capsys, "--help")
+    assert code == 0 and err == ""
+    assert out.startswith("usage: python3 dreamer.py")
+    assert "Presets" in out and all(name in out for name in PRESETS if name != "defaults")
