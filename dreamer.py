@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -52,10 +53,11 @@ CHOICES = {
     "decoder.cnn": ("transposed", "upsample"),
     "dyn_mean_act": ("none", "tanh5"),
     "dyn_std_act": ("softplus", "abs", "sigmoid", "sigmoid2"),
-    "imag_gradient": ("dynamics", "reinforce", "both"),
+    "compile": ("auto", True, False),
+    "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
     "expl_behavior": ("greedy", "random", "plan2explore"),
     "disag_target": ("stoch", "deter", "embed", "feat"),
-    "actor.dist": ("normal", "onehot"),
+    "actor.dist": ("auto", "normal", "onehot"),
     "critic.dist": models.VALUE_DISTS,
     "reward_head.dist": models.VALUE_DISTS,
     "decoder.image_dist": ("mse",),
@@ -226,6 +228,10 @@ def parse_number(text, like):
     return value
 
 
+# Keys that take True/False or 'auto' (settled by resolve_auto once the device is known).
+BOOL_OR_AUTO = ("compile",)
+
+
 def parse_value(text, default):
     """Convert a command-line string to the type of the key's current value."""
     if isinstance(default, bool):
@@ -278,7 +284,10 @@ def parse(argv, presets=None):
             else:
                 value, i = rest[i + 1], i + 1
         try:
-            overrides[key] = parse_value(value, flat[key])
+            if key in BOOL_OR_AUTO:
+                overrides[key] = "auto" if value == "auto" else parse_bool(value)
+            else:
+                overrides[key] = parse_value(value, flat[key])
         except ValueError as e:
             raise ConfigError(f"Invalid value '{value}' for --{key}: {e}") from None
         i += 1
@@ -329,6 +338,7 @@ class Dreamer(nn.Module):
 
     def __init__(self, obs_space, act_space, config):
         super().__init__()
+        self.resolved = resolve_auto(config, act_space)  # settles every 'auto' key before anything is built
         self.config = config
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
@@ -390,7 +400,8 @@ class Dreamer(nn.Module):
         latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
-            action = self.task_behavior.actor(feat).mode()
+            policy = self.task_behavior.actor(feat)
+            action = policy.sample() if self.config.eval_sample else policy.mode()
         elif mode == "explore" and self.expl_behavior is not None:
             action = self.expl_behavior.actor(feat).sample()
         else:
@@ -572,13 +583,29 @@ def make_envs(config, mode, count):
     return [parallel.Damy(ctor, i) for i, ctor in enumerate(ctors)]
 
 
-def check_spaces(config, act_space):
-    discrete = getattr(act_space, "discrete", False)
-    if discrete and config.actor.dist != "onehot":
-        raise ConfigError(f"Task '{config.task}' has discrete actions; use --actor.dist onehot "
-                          "(as the atari100k, crafter and memorymaze presets do)")
-    if not discrete and config.actor.dist == "onehot":
-        raise ConfigError(f"Task '{config.task}' has continuous actions; use --actor.dist normal")
+def resolve_auto(config, act_space):
+    """Settle the 'auto' keys, in place: the actor's distribution and gradient from the action
+    space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot + reinforce,
+    continuous -> normal + dynamics) and compile from the device (on a CPU it measured no faster
+    than eager but adds a warm-up). Explicit values stay; an actor distribution that contradicts
+    the action space is a ConfigError. Returns the keys that were 'auto', for the summary."""
+    discrete = bool(getattr(act_space, "discrete", False))
+    dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
+    resolved = []
+    if config.actor.dist == "auto":
+        config.actor.dist = dist
+        resolved.append("actor.dist")
+    if config.imag_gradient == "auto":
+        config.imag_gradient = gradient
+        resolved.append("imag_gradient")
+    if config.compile == "auto":
+        config.compile = torch.device(config.device).type == "cuda"
+        resolved.append("compile")
+    if config.actor.dist != dist:
+        kind = "discrete" if discrete else "continuous"
+        raise ConfigError(f"Invalid value '{config.actor.dist}' for --actor.dist: task '{config.task}' has {kind} "
+                          f"actions; use --actor.dist {dist} (or auto)")
+    return resolved
 
 
 # Keys that may differ between a run and its resumption without a warning.
@@ -602,8 +629,9 @@ def compare_saved_config(config, path):
     if saved.get("task") != current["task"]:
         raise ConfigError(f"--task {current['task']} differs from this run's task '{saved.get('task')}' "
                           f"(saved in {path}); use another --logdir for another task")
+    # 'auto' settles the same way for the same task, into the value the saved config holds.
     return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
-            if key not in BUDGET_KEYS and saved.get(key) != value]
+            if key not in BUDGET_KEYS and value != "auto" and saved.get(key) != value]
 
 
 def save_config(config, path):
@@ -614,18 +642,29 @@ def save_config(config, path):
     tools.atomic_write_bytes(path, buffer.getvalue().encode())
 
 
-def compile_note(config):
+def compile_note(config, auto=False):
+    """`auto`: the value was settled by resolve_auto rather than asked for."""
+    cpu = torch.device(config.device).type == "cpu"
     if not config.compile:
+        if auto and cpu:  # README, Performance: measured 0-14% slower there
+            return "off (auto: on a CPU compile measured no faster than eager; --compile True compiles)"
         return "off"
-    if torch.device(config.device).type == "cpu":  # README, Performance: measured 0-14% slower there
+    if cpu:
         return "on (on a CPU it measured no faster than eager and adds a warm-up; --compile False turns it off)"
     return "on (the first updates include compilation)"
+
+
+def actor_note(config, resolved):
+    """The actor's distribution and gradient, and whether they were chosen from the action space."""
+    auto = [key for key in ("actor.dist", "imag_gradient") if key in resolved]
+    note = f"{config.actor.dist} distribution, {config.imag_gradient} gradient"
+    return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
 
 
 def summary(config, agent, device_note, resumed_step):
     """The start-up summary: what runs where, what differs from defaults, how big the model is."""
     defaults = flatten(load_presets()["defaults"])
-    changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v}
+    changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v and k not in agent.resolved}
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     params = {"world model": count(agent.wm), "actor": count(agent.task_behavior.actor),
               "critic": count(agent.task_behavior.critic)}
@@ -634,7 +673,8 @@ def summary(config, agent, device_note, resumed_step):
     lines = [
         f"Task: {config.task}",
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
-        "Compile: " + compile_note(config),
+        "Compile: " + compile_note(config, "compile" in agent.resolved),
+        "Actor: " + actor_note(config, agent.resolved),
         f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})",
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
@@ -687,6 +727,70 @@ class Progress:
         self.bar.close()
 
 
+class Phase:
+    """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
+    in a terminal; in a log file a plain line when it starts, after its first step and then every
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence.
+    A heartbeat thread keeps the lines (and the bar's clock) coming while one step takes long, such
+    as a full-size update on a loaded CPU or a compilation."""
+
+    def __init__(self, name, total, unit, interactive, every=10.0):
+        from tqdm import tqdm
+
+        self.name, self.total, self.unit, self.interactive, self.every = name, total, unit, interactive, every
+        self.done, self.start = 0, time.time()
+        self.last = self.start
+        self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True, leave=False, disable=not interactive)
+        if not interactive:
+            print(f"{name}: 0/{total} {unit}s", flush=True)
+        self.stopped = threading.Event()
+        if every > 0:
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        while not self.stopped.wait(self.every):
+            if self.interactive:
+                self.bar.refresh()
+            elif time.time() - self.last >= self.every:
+                self.last = time.time()
+                print(self.line(self.last), flush=True)
+
+    def update(self, done):
+        self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        # The first step gives the rate (and ETA) as soon as it is known; then every `every` seconds.
+        if not self.interactive and (self.last == self.start or now - self.last >= self.every):
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def line(self, now):
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = datetime.timedelta(seconds=int((self.total - self.done) / rate)) if rate > 0 else "?"
+        percent = 100 * self.done / max(self.total, 1)
+        return (f"{self.name}: {self.done}/{self.total} {self.unit}s ({percent:.0f}%) | "
+                f"{rate:.2f} {self.unit}s/s | elapsed {datetime.timedelta(seconds=int(elapsed))} | ETA {eta}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):
+        self.close(finished=error is None)
+
+    def close(self, finished=True):
+        self.stopped.set()
+        self.bar.close()
+        if not finished:  # an error is on its way up; no "done" line
+            return
+        seconds = time.time() - self.start
+        message = f"{self.name}: done, {self.done} {self.unit}s in {seconds:.1f} s"
+        if self.interactive:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+
 class Trainer:
     """Owns a run's replay, counters, schedules and logger; `train()` is the main loop."""
 
@@ -718,6 +822,7 @@ class Trainer:
                           if train_envs else None)
         self.metrics = {}
         self.last_log = (time.time(), self.frames, self.counters.updates)
+        self.warmed_up = set()  # names of the compiled calls made once already
 
     @property
     def frames(self):
@@ -787,19 +892,34 @@ class Trainer:
     def policy(self, obs, state):
         config = self.config
         explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
-        return self.agent.policy(obs, state, "explore" if explore else "train")
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state,
+                                         "explore" if explore else "train")
+
+    def announce_compilation(self, name, fn, *args):
+        """fn(*args). With compile on, the first call of each kind compiles (minutes on a CPU): it
+        gets a progress bar or log lines of its own, so that the wait is not silent."""
+        if not self.agent.compiled or name in self.warmed_up:
+            return fn(*args)
+        self.warmed_up.add(name)
+        with Phase(f"compile warm-up ({name})", 1, "call", self.progress.interactive) as phase:
+            out = fn(*args)
+            phase.update(1)
+        return out
 
     def random_policy(self, obs, state):
         """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
         return self.prefill_behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
 
-    def update(self, count):
+    def update(self, count, phase=None):
         config = self.config
-        for _ in range(count):
+        for i in range(count):
             if not self.replay.ready(config.batch_length):
                 return
-            metrics = self.agent.train_step(self.replay.sample(config.batch_size, config.batch_length))
+            batch = self.replay.sample(config.batch_size, config.batch_length)
+            metrics = self.announce_compilation("first update", self.agent.train_step, batch)
             self.counters.updates += 1
+            if phase is not None:
+                phase.update(i + 1)
             for key, value in metrics.items():
                 self.metrics.setdefault(key, []).append(value)
 
@@ -811,9 +931,14 @@ class Trainer:
         self.progress = Progress(config.steps, self.frames)
         try:
             if not self.resumed:
-                while self.collector is not None and self.frames < config.prefill:
-                    self.collect(self.random_policy)
-                self.update(config.pretrain)
+                if self.collector is not None and self.frames < config.prefill:
+                    with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
+                        while self.frames < config.prefill:
+                            self.collect(self.random_policy)
+                            phase.update(min(self.frames, config.prefill))
+                if config.pretrain:
+                    with Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
+                        self.update(config.pretrain, phase)
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
             while self.frames < config.steps:
                 if self.eval_envs and self.schedules["eval"](self.frames):
@@ -1002,7 +1127,8 @@ def strip_logs(episode):
 
 
 def run_episodes(agent, env_list, count, directory):
-    """`count` episodes with the task policy's mode (episodes still running at the end are dropped)."""
+    """`count` episodes acting in mode 'eval': the task policy's sample, or its mode with
+    eval_sample False (episodes still running at the end are dropped)."""
     finished = []
     collector = Collector(env_list, None, directory, finished.append)
     policy = functools.partial(agent.policy, mode="eval")
@@ -1154,7 +1280,6 @@ def run(argv):
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
-        check_spaces(config, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
     except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.

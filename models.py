@@ -473,7 +473,9 @@ class ActorCritic(nn.Module):
                 returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
             with profiled("actor"):
                 policy = self.actor.dist(policy_out[:-1])
-                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1].detach())
+                # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
+                # also flows through v(s_t) of the imagined states (into the actor only).
+                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
             with profiled("critic"):
                 critic_dist = self.critic.dist(critic_out[:-1])
                 critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
@@ -494,21 +496,21 @@ class ActorCritic(nn.Module):
     def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
         """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
 
-        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given.
+        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
+        the dynamics gradient flows through both the returns and the base.
         """
         config = self.config
         if policy is None:
             policy = self.actor(feat[:-1].detach())
         if base is None:
-            with torch.no_grad():
-                base = self.critic(feat[:-1].detach()).mean()
+            base = self.critic(feat[:-1]).mean()
         if self.return_norm is not None:
             offset, scale = self.return_norm(returns)
         else:
             offset, scale = returns.new_zeros(()), returns.new_ones(())
         normed_returns = (returns - offset) / scale
         advantage = normed_returns - (base - offset) / scale
-        dynamics = -normed_returns
+        dynamics = -advantage  # v1's backprop loss: the baseline is not stop-gradded
         reinforce = -policy.log_prob(action[:-1].detach()) * advantage.detach()
         if config.imag_gradient == "dynamics":
             loss = dynamics

@@ -280,7 +280,8 @@ class ConvEncoder(nn.Module):
         self.outdim = inp * minres * (width // (height // minres))
 
     def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
-        x = image.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+        # Centred on zero, as v1's ImageEncoderResnet feeds its first convolution.
+        x = (image - 0.5).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
         return self.net(x).flatten(1)
 
 

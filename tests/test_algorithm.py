@@ -549,6 +549,7 @@ def test_return_norm_scale_floor_is_one():
 
 def make_actor_critic(*flags, reward_fn=None):
     config = make_config(*flags)
+    dreamer.resolve_auto(config, ACT_SPACE)  # as dreamer.Dreamer does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
     reward_fn = reward_fn or (lambda feat, state, action: wm.heads["reward"](feat).mean())
@@ -663,7 +664,7 @@ def test_actor_loss_modes_against_reference(mode):
     entropy = (0.5 * np.log(2 * np.pi * np.e * std ** 2)).sum(-1)
     normed = (r - low) / scale
     advantage = normed - (base - low) / scale
-    dynamics, reinforce = -normed, -logp * advantage
+    dynamics, reinforce = -advantage, -logp * advantage
     term = {"dynamics": dynamics, "reinforce": reinforce, "both": 0.3 * dynamics + 0.7 * reinforce}[mode]
     w = to_np(weight)[:-1]
     want = (w * (term - 0.05 * entropy)).mean()
@@ -674,6 +675,47 @@ def test_actor_loss_modes_against_reference(mode):
     share = {"dynamics": 1.0, "reinforce": 0.0, "both": 0.3}[mode]
     got = np.zeros_like(r) if grad is None else to_np(grad)
     np.testing.assert_allclose(got, -share * w / scale / w.size, rtol=1e-4, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["dynamics", "reinforce"])
+def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
+    """v1's ImagActorCritic.loss written plainly: adv = (ret - offset) / scale - (base - offset) / scale
+    with base = v(s_t) NOT stop-gradded; backprop: -adv, reinforce: -log pi(a) * sg(adv); minus the
+    entropy bonus, times the weight. Loss and gradient into the imagined features (which the
+    dynamics gradient carries back to the actor) both match; so does ActorCritic.train_step."""
+    _, _, ac = make_actor_critic("--imag_gradient", mode, "--actor.entropy", "0.05", "--critic.outscale", "1.0")
+    feat, action, _, weight = actor_inputs(ac)
+    feat.requires_grad_()
+    value = ac.critic(feat).mean()  # (H+1, N): returns that depend on feat, as in imagination
+    returns = models.lambda_return(value[1:] * 0.5 + 1.0, torch.ones_like(value[1:]), value[1:], 0.99, 0.95) * 50
+    inputs = [feat, *ac.actor.parameters()]
+
+    def grads(loss):
+        out = torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out)]
+
+    loss, _ = ac.actor_loss(feat, action, returns, weight)
+    got = grads(loss)
+
+    # Plain v1: one percentile EMA step from zero; the base carries its gradient.
+    flat = returns.detach().flatten()
+    low = 0.01 * torch.quantile(flat, 0.05)
+    high = 0.01 * torch.quantile(flat, 0.95)
+    scale = torch.clamp(high - low, min=1.0)
+    base = ac.critic(feat[:-1]).mean()
+    adv = (returns - low) / scale - (base - low) / scale
+    policy = ac.actor(feat[:-1].detach())
+    logpi = policy.log_prob(action[:-1].detach())
+    term = -adv if mode == "dynamics" else -logpi * adv.detach()
+    want_loss = ((term - 0.05 * policy.entropy()) * weight[:-1]).mean()
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    for a, b in zip(got, grads(want_loss)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    assert got[1].abs().sum() > 0 and bool(got[0].abs().sum() > 0) is (mode == "dynamics")
+    if mode == "dynamics":  # the baseline's share is not zero: stop-gradding it would change the gradient
+        detached = (returns - low) / scale - (base.detach() - low) / scale
+        without_base = grads(((-detached - 0.05 * policy.entropy()) * weight[:-1]).mean())
+        assert (got[0] - without_base[0]).abs().max() > 1e-4
 
 
 def test_actor_loss_entropy_weight():

@@ -32,3 +32,41 @@ def test_train_speed_rejects_a_bad_key_with_one_line():
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error:") and "batch_size" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_check_script_parses_and_uses_only_existing_flags():
+    """benchmarks/gpu_check.sh cannot run without a GPU; its shell parses, and every command it would
+    run (printed by GPU_CHECK_PRINT_ONLY) names existing files, flags and config keys."""
+    import shlex
+
+    import dreamer
+
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
+    assert out.returncode == 0, out.stderr
+    commands = [shlex.split(line) for line in out.stdout.strip().splitlines()]
+    assert len(commands) == 10
+    speed_source = (ROOT / "benchmarks" / "train_speed.py").read_text()
+    kinds = set()
+    for words in commands:
+        if "pytest" in words:
+            assert "DREAMER_TEST_DEVICE=cuda" in words and (ROOT / words[-1]).exists()
+            assert 'os.environ.get("DREAMER_TEST_DEVICE"' in (ROOT / words[-1]).read_text()
+            kinds.add("tests")
+            continue
+        assert words[0] == "python3" and (ROOT / words[1]).exists()
+        args = words[2:]
+        if words[1] == "benchmarks/train_speed.py":
+            for flag in ("--updates", "--warmup"):  # train_speed's own flags; the rest are config keys
+                assert f'add_argument("{flag}"' in speed_source
+                index = args.index(flag)
+                del args[index:index + 2]
+            kinds.add("speed")
+        else:
+            assert words[1] == "dreamer.py"
+            kinds.add("train")
+        config = dreamer.parse(args)
+        assert config.device == "cuda" and config.compile in (True, False) and config.precision in (16, 32)
+    assert kinds == {"tests", "train", "speed"}

@@ -73,7 +73,7 @@ def test_real_presets_and_verbatim_commands_parse():
     assert (config.envs, config.parallel, config.steps, config.encoder.cnn_keys) == (4, True, 1_000_000, "image")
     config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--logdir",
                             "./logdir/dmc_walker_walk"])
-    assert config.parallel is False and config.device == "cuda:0" and config.compile is True
+    assert config.parallel is False and config.device == "cuda:0" and config.compile == "auto"
     config = dreamer.parse(["--configs", "dmc_proprio", "--actor.lr", "1e-4", "--encoder.cnn_depth", "48"])
     assert config.actor.lr == pytest.approx(1e-4) and config.encoder.cnn_depth == 48
     assert config.encoder.mlp_keys == ".*" and config.steps == 500_000
@@ -85,7 +85,7 @@ def test_every_preset_parses():
 
 
 def test_choice_keys_list_valid_values():
-    with pytest.raises(dreamer.ConfigError, match="valid: dynamics, reinforce, both"):
+    with pytest.raises(dreamer.ConfigError, match="valid: auto, dynamics, reinforce, both"):
         dreamer.parse(["--imag_gradient", "magic"])
     with pytest.raises(dreamer.ConfigError, match="valid: 16, 32"):
         dreamer.parse(["--precision", "8"])
@@ -99,7 +99,11 @@ def test_choice_keys_list_valid_values():
     (["--configs", "debug", "--task", "dmc_walker_wlak"], "closest valid: dmc_walker_walk"),
     (["--configs", "debug", "--device", "tpu:0"], "Invalid value 'tpu:0' for --device"),
     (["--configs", "minecraft", "debug", "--task", "minecraft_diamond"], "Minecraft tasks need MineRL"),
-    (["--configs", "debug", "--task", "atari_pong"], "has discrete actions; use --actor.dist onehot"),
+    (["--configs", "debug", "--task", "atari_pong", "--actor.dist", "normal"],
+     "Invalid value 'normal' for --actor.dist: task 'atari_pong' has discrete actions; use --actor.dist onehot"),
+    (["--configs", "debug", "--actor.dist", "onehot"],
+     "task 'dmc_cartpole_balance' has continuous actions; use --actor.dist normal"),
+    (["--configs", "debug", "--compile", "maybe"], "Invalid value 'maybe' for --compile"),
 ])
 def test_cli_errors_exit_2_with_one_line_and_create_nothing(tmp_path, args, message):
     logdir = tmp_path / "run"

@@ -1,7 +1,13 @@
-"""`compile True` really compiles, and computes the same update as the plain eager code."""
+"""`compile True` really compiles, and computes the same update as the plain eager code.
+
+These are the suite's CUDA-relevant tests: they run on the CPU unless DREAMER_TEST_DEVICE names
+another device (benchmarks/gpu_check.sh sets `cuda`); a device that is not there is an error, never
+a skip.
+"""
 
 import copy
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -14,9 +20,11 @@ import envs
 import networks
 import tools
 
+DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
+
 
 def make_agent_and_batch(compile_, *flags):
-    config = dreamer.parse(["--configs", "debug", "--compile", str(compile_), *flags])
+    config = dreamer.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *flags])
     env = envs.make_env(config, "train", 0)
     replay = tools.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
@@ -26,7 +34,7 @@ def make_agent_and_batch(compile_, *flags):
         action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
         obs, reward, done, _ = env.step(action)
     torch.manual_seed(0)
-    agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
+    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)
     return agent, replay.sample(config.batch_size, config.batch_length)
 
 
@@ -82,15 +90,15 @@ def reference_update(agent, batch):
             (1 - config.discount_lambda) * value[t + 1] + config.discount_lambda * last)
         returns.insert(0, last)
     returns = torch.stack(returns)  # (H, N)
-    low, high = 0.01 * torch.quantile(returns.detach().flatten(), torch.tensor([0.05, 0.95]))
+    low, high = 0.01 * torch.quantile(returns.detach().flatten(), torch.tensor([0.05, 0.95], device=returns.device))
     scale = torch.clamp(high - low, min=1.0)  # the EMAs start at zero: one step of decay 0.99
     policy = ac.actor(feat[:-1].detach())
     normed_returns = (returns - low) / scale
+    advantage = normed_returns - (value[:-1] - low) / scale  # v1: the baseline keeps its gradient
     if config.imag_gradient == "dynamics":
-        objective = normed_returns
+        objective = advantage
     else:  # reinforce
-        advantage = (normed_returns - (value[:-1] - low) / scale).detach()
-        objective = policy.log_prob(action[:-1].detach()) * advantage
+        objective = policy.log_prob(action[:-1].detach()) * advantage.detach()
     actor_loss = (weight[:-1] * (-objective - config.actor.entropy * policy.entropy())).mean()
     actor_params = list(ac.actor.parameters())
     actor_grads = clipped(torch.autograd.grad(actor_loss, actor_params, retain_graph=True), config.actor.grad_clip)
@@ -206,10 +214,15 @@ def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
     assert not models.use_scaler(config)
     assert models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
     assert not models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
-    agent, batch = make_agent_and_batch(False)
-    agent.config.precision = 16
+    agent, batch = make_agent_and_batch(False, "--precision", "16")  # on DEVICE: float16 and scaling on CUDA
+    assert agent.wm.optimizer.scaler.is_enabled() is (torch.device(DEVICE).type == "cuda")
     metrics = agent.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
+
+
+def test_agent_runs_on_the_chosen_device(updates):
+    for agent, _ in (updates["eager"], updates["compiled"]):
+        assert {p.device.type for p in agent.parameters()} == {torch.device(DEVICE).type}
 
 
 def test_compiled_networks_never_hit_the_recompile_limit():

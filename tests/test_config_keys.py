@@ -22,8 +22,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import envs  # noqa: E402
+import models  # noqa: E402
+import networks  # noqa: E402
 import parallel  # noqa: E402
 import tools  # noqa: E402
+from envs import wrappers  # noqa: E402
 
 PRESETS = dreamer.load_presets()
 PROPRIO = ["--encoder.mlp_keys", ".*", "--encoder.cnn_keys", "$^", "--decoder.mlp_keys", ".*",
@@ -319,7 +322,7 @@ def test_unimix_ratio_mixes_uniform_into_the_latent_categoricals(spaces, ratio):
 
 @pytest.mark.parametrize("ratio", [0.0, 0.2])
 def test_actor_unimix_ratio_mixes_uniform_into_discrete_actions(spaces, ratio):
-    four_actions = gymnasium.spaces.Box(0, 1, (4,), dtype=np.float32)  # one-hot actions, as for Atari
+    four_actions = wrappers.OneHotSpace(4)  # one-hot actions, as for Atari
     agent, _ = make_agent((spaces[0], four_actions), "--actor.dist", "onehot", "--actor.std", "none",
                           "--actor.unimix_ratio", str(ratio), "--actor.outscale", "10.0")
     actor = agent.task_behavior.actor
@@ -335,7 +338,7 @@ def test_eval_state_mean_makes_evaluation_use_the_posterior_mode(spaces):
     obs = {k: v[:, 0] for k, v in fake_batch(spaces, batch=64, length=1, seed=8).items()
            if k not in ("action", "reward")}
     for eval_state_mean in (True, False):
-        agent, _ = make_agent(spaces, "--eval_state_mean", str(eval_state_mean))
+        agent, _ = make_agent(spaces, "--eval_state_mean", str(eval_state_mean), "--eval_sample", "False")
         outputs = {}
         for mode in ("eval", "train"):
             for seed in (1, 2):
@@ -352,6 +355,92 @@ def test_eval_state_mean_makes_evaluation_use_the_posterior_mode(spaces):
             assert not torch.equal(latent1["stoch"], latent2["stoch"])
         # Training always samples.
         assert not np.array_equal(outputs["train", 1][0], outputs["train", 2][0])
+
+
+def test_eval_sample_chooses_between_a_policy_sample_and_its_mode(spaces):
+    """v1 acts in evaluation exactly as in training, with a sample of the task policy; eval_sample
+    False takes the mode, tanh of the actor's mean output."""
+    obs = {k: v[:, 0] for k, v in fake_batch(spaces, batch=32, length=1, seed=9).items()
+           if k not in ("action", "reward")}
+    for eval_sample in (True, False):
+        agent, _ = make_agent(spaces, "--eval_sample", str(eval_sample))
+        actions = {}
+        for mode in ("eval", "train"):
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                actions[mode, seed], (latent, _) = agent.policy(obs, None, mode)
+                if mode == "eval" and seed == 1:
+                    with torch.no_grad():
+                        raw = agent.task_behavior.actor.raw(agent.wm.rssm.get_feat(latent))
+                    plain_mode = np.tanh(raw[:, :agent.act_size].numpy())
+        if eval_sample:
+            np.testing.assert_array_equal(actions["eval", 1], actions["train", 1])  # the same draw
+            assert not np.array_equal(actions["eval", 1], actions["eval", 2])
+        else:
+            np.testing.assert_allclose(actions["eval", 1], plain_mode, rtol=1e-5, atol=1e-6)
+            assert not np.array_equal(actions["eval", 1], actions["train", 1])
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discrete):
+    """v1's actor_dist_disc/cont and actor_grad_disc/cont: onehot + reinforce for discrete actions,
+    normal + dynamics for continuous ones; explicit values stay."""
+    act_space = wrappers.OneHotSpace(4) if discrete else spaces[1]
+    obs_space = spaces[0]
+    agent, config = make_agent((obs_space, act_space), "--actor.dist", "auto", "--imag_gradient", "auto")
+    want = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
+    assert (config.actor.dist, config.imag_gradient) == want
+    assert agent.task_behavior.actor.kind == want[0] and {"actor.dist", "imag_gradient"} <= set(agent.resolved)
+    assert dreamer.actor_note(config, agent.resolved) == (
+        f"{want[0]} distribution, {want[1]} gradient (actor.dist and imag_gradient auto: from the action space)")
+    # Behaviour: REINFORCE rollouts record no graph through the dynamics; dynamics rollouts do.
+    start = {k: v.detach() for k, v in agent.wm.rssm.initial(3).items()}
+    with models.frozen(agent.wm):  # as ActorCritic.train_step imagines
+        feat, _, _, _ = agent.task_behavior.imagine(start)
+    assert feat[-1].requires_grad is (not discrete)
+    other = "dynamics" if discrete else "reinforce"
+    agent, config = make_agent((obs_space, act_space), "--imag_gradient", other)
+    assert config.imag_gradient == other and "imag_gradient" not in agent.resolved
+    assert dreamer.actor_note(config, agent.resolved).endswith("(actor.dist auto: from the action space)")
+    wrong, kind = ("normal", "discrete") if discrete else ("onehot", "continuous")
+    with pytest.raises(dreamer.ConfigError, match=f"Invalid value '{wrong}' for --actor.dist: task "
+                                                   f"'dmc_cartpole_balance' has {kind} actions; use --actor.dist "
+                                                   f"{want[0]}"):
+        make_agent((obs_space, act_space), "--actor.dist", wrong)
+
+
+def test_compile_auto_compiles_on_cuda_only_and_explicit_values_stay(spaces):
+    agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")
+    assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
+    assert dreamer.compile_note(config, True).startswith("off (auto: on a CPU compile measured no faster")
+    cuda = make_config("--compile", "auto", "--device", "cuda:0")
+    assert "compile" in dreamer.resolve_auto(cuda, spaces[1]) and cuda.compile is True
+    explicit = make_config("--compile", "True", "--device", "cpu")
+    assert "compile" not in dreamer.resolve_auto(explicit, spaces[1]) and explicit.compile is True
+    assert make_config("--compile", "false").compile is False
+    assert dreamer.parse(["--device", "cpu"]).compile == "auto"  # the default
+
+
+def test_default_observation_keys_route_images_to_the_cnn_and_vectors_to_the_mlp():
+    """v1's defaults: encoder and decoder take every key (.*), rank-3 observations to the CNN,
+    rank 0-1 to the MLP; presets narrow them."""
+    space = {"image": gymnasium.spaces.Box(0, 255, (16, 16, 3), np.uint8),
+             "depth": gymnasium.spaces.Box(0, 255, (16, 16, 1), np.uint8),
+             "position": gymnasium.spaces.Box(-1, 1, (5,), np.float32),
+             "height": gymnasium.spaces.Box(-1, 1, (), np.float32),
+             "log_score": gymnasium.spaces.Box(-1, 1, (), np.float32),
+             **{k: gymnasium.spaces.Box(0, 1, (), bool) for k in ("is_first", "is_last", "is_terminal")}}
+    shapes = {}
+    for preset in ([], ["dmc_vision"], ["dmc_proprio"]):
+        config = dreamer.parse([*(["--configs", *preset] if preset else []), "--encoder.cnn_depth", "2",
+                                "--decoder.cnn_depth", "2", "--encoder.mlp_units", "8", "--decoder.mlp_units", "8"])
+        encoder = networks.MultiEncoder(space, config.encoder)
+        decoder = networks.MultiDecoder(8, space, config.decoder)
+        shapes[tuple(preset)] = (set(encoder.cnn_shapes), set(encoder.mlp_shapes),
+                                 set(decoder.cnn_shapes), set(decoder.mlp_shapes))
+    assert shapes[()] == ({"image", "depth"}, {"position", "height"}) * 2
+    assert shapes[("dmc_vision",)] == ({"image"}, set()) * 2
+    assert shapes[("dmc_proprio",)] == (set(), {"position", "height"}) * 2
 
 
 @pytest.mark.parametrize("horizon", [3, 7])

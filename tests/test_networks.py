@@ -24,7 +24,12 @@ ACT_SPACE = gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32)
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    """The debug config with its 'auto' keys settled, as dreamer.Dreamer settles them, for a
+    continuous action space unless the flags ask for a onehot actor."""
+    config = dreamer.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    if config.actor.dist == "auto":
+        dreamer.resolve_auto(config, ACT_SPACE)
+    return config
 
 
 def obs_space(**extra):
@@ -254,6 +259,36 @@ def test_multi_encoder_shapes_and_key_selection():
     flags_only = networks.MultiEncoder(space, make_config("--encoder.mlp_keys", ".*", "--encoder.cnn_keys",
                                                           "$^").encoder)
     assert set(flags_only.mlp_shapes) == {"vec", "scalar"}  # no is_first/is_last/is_terminal, no log_
+
+
+def test_image_encoder_sees_images_centred_on_zero():
+    """v1's ImageEncoderResnet feeds `image - 0.5`: a plain conv / channel LayerNorm / SiLU stack,
+    written here from the encoder's weights, on the shifted image."""
+    space = obs_space()
+    config = make_config("--encoder.mlp_keys", "$^", "--encoder.cnn_keys", "image")
+    encoder = networks.MultiEncoder(space, config.encoder)
+    for module in encoder.modules():  # non-trivial norm parameters, so that they are checked too
+        if isinstance(module, torch.nn.LayerNorm):
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 1.5, generator=gen(14))
+                module.bias.uniform_(-0.2, 0.2, generator=gen(15))
+    image = torch.rand(4, 16, 16, 3, generator=gen(16))
+
+    def plain(image):
+        x = image.permute(0, 3, 1, 2).double()
+        convs = [m for m in encoder.cnn.net if isinstance(m, torch.nn.Conv2d)]
+        norms = [m for m in encoder.cnn.net if isinstance(m, torch.nn.LayerNorm)]
+        for conv, norm in zip(convs, norms):
+            x = torch.nn.functional.conv2d(x, conv.weight.double(), None, stride=2, padding=conv.padding)
+            mean, var = x.mean(1, keepdim=True), x.var(1, unbiased=False, keepdim=True)
+            x = (x - mean) / torch.sqrt(var + norm.eps)
+            x = x * norm.weight.double()[:, None, None] + norm.bias.double()[:, None, None]
+            x = x * torch.sigmoid(x)
+        return x.flatten(1)
+
+    got = to_np(encoder({"image": image}))
+    np.testing.assert_allclose(got, to_np(plain(image - 0.5)), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got, to_np(plain(image)), atol=1e-3)
 
 
 def test_encoder_symlog_inputs():

@@ -11,7 +11,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "plot.py"
-SHARED_REFERENCE = ROOT.parent / "shared" / "reference"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 _spec = importlib.util.spec_from_file_location("benchmarks_plot", SCRIPT)
@@ -109,14 +108,32 @@ def test_reference_lookup_maps_task_names():
     assert len(curve["frames"]) == 49 and np.isfinite(curve["mean"]).all()
 
 
-def test_reference_file_is_the_shared_data_rounded():
+def test_reference_is_built_from_the_source_files_rounded(tmp_path):
+    """build_reference on source files written here (the repository reads nothing outside itself)."""
+    for i, suite in enumerate(plot.SUITES):
+        curve = {"frames": [10_000.0, 20_000.0], "mean": [1.04 + i, 250.96], "std": [0.349, 12.0], "seeds": 5.0}
+        (tmp_path / f"{suite}.json").write_text(json.dumps({
+            "source": f"scores of {suite}", "budget_frames": 1e6, "metric": "episode return", "x": "frames",
+            "tasks": {"dmc_walker_walk": curve}}))
+    built = plot.build_reference(tmp_path)
+    assert built["metric"] == "episode return" and "danijar/dreamerv3" in built["source"]
+    for i, suite in enumerate(plot.SUITES):
+        body = built["suites"][suite]
+        assert body["source"] == f"scores of {suite}" and body["budget_frames"] == 1_000_000
+        assert body["tasks"]["dmc_walker_walk"] == {"frames": [10_000, 20_000], "mean": [round(1.04 + i, 1), 251.0],
+                                                    "std": [0.3, 12.0], "seeds": 5}
+
+
+def test_copied_reference_file_names_its_source_and_is_rounded():
     copied = json.loads((ROOT / "benchmarks" / "reference_curves.json").read_text())
     assert "danijar/dreamerv3" in copied["source"]
-    assert copied == plot.build_reference(SHARED_REFERENCE)
-    walker = json.loads((SHARED_REFERENCE / "dmc_vision.json").read_text())["tasks"]["dmc_walker_walk"]
-    mine = copied["suites"]["dmc_vision"]["tasks"]["dmc_walker_walk"]
-    assert mine["frames"] == walker["frames"]
-    np.testing.assert_allclose(mine["mean"], walker["mean"], atol=0.05 + 1e-9)
+    assert set(copied["suites"]) == set(plot.SUITES)
+    for body in copied["suites"].values():
+        assert body["source"] and body["budget_frames"] > 0 and body["tasks"]
+        for curve in body["tasks"].values():
+            assert np.all(np.diff(curve["frames"]) > 0) and curve["seeds"] >= 1
+            values = [v for v in curve["mean"] + curve["std"] if v is not None]
+            assert all(round(v, 1) == v for v in values)
 
 
 @pytest.mark.parametrize("case, message", [

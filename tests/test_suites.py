@@ -609,6 +609,32 @@ def test_dmlab_eval_uses_held_out_levels_and_grayscale(fake_lab):
     assert len(seeds) == 1 and [c[1] for c in lab.calls if c[0] == "reset"][1] != seeds[0]
 
 
+def test_dmlab_preset_is_v1s_setting_and_trains_on_the_stand_in(fake_lab, tmp_path, capsys, monkeypatch):
+    """`--configs dmlab`: v1's xlarge model, 8 environments, train ratio 64, action repeat 4, images
+    only; the actor follows the discrete actions by itself (onehot + REINFORCE). A short run of the
+    preset (with the debug sizes on top) trains on the deepmind_lab stand-in."""
+    import dreamer
+
+    preset = config("dmlab", task="dmlab_rooms_watermaze")
+    assert (preset.envs, preset.train_ratio, preset.action_repeat, preset.time_limit) == (8, 64, 4, 0)
+    assert (preset.dyn_deter, preset.dyn_hidden, preset.units, preset.encoder.cnn_depth) == (4096, 1024, 1024, 96)
+    assert preset.actor.layers == preset.critic.layers == preset.reward_head.layers == preset.cont_head.layers == 5
+    assert (preset.encoder.cnn_keys, preset.encoder.mlp_keys) == ("image", "$^") == (
+        preset.decoder.cnn_keys, preset.decoder.mlp_keys)
+    assert preset.actor.dist == "auto" and preset.imag_gradient == "auto"
+    monkeypatch.setattr(fake_lab, "length", 40)
+    logdir = tmp_path / "dmlab"
+    dreamer.main(["--configs", "dmlab", "debug", "--task", "dmlab_explore_goal_locations_small", "--steps", "160",
+                  "--eval_episode_num", "0", "--logdir", str(logdir)])
+    summary = capsys.readouterr().out
+    assert "Actor: onehot distribution, reinforce gradient (actor.dist and imag_gradient auto" in summary
+    assert fake_lab.instances[0].calls[1][2] == 4  # the preset's action repeat, held by DeepMind Lab
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 160 and rows[-1]["perf/updates"] > 0
+    with np.load(sorted((logdir / "train_eps").glob("*.npz"))[0]) as episode:
+        assert episode["image"].shape[1:] == (16, 16, 3) and len(episode["reward"]) == 11  # 40 frames / 4 + 1
+
+
 def test_dmlab_missing_package_and_names(monkeypatch):
     from envs import dmlab
 
@@ -757,6 +783,9 @@ RUNS = {
                 "--eval_every", "100"],
     "memorymaze": ["--configs", "memorymaze", "debug", "--task", "memorymaze_9x9", "--time_limit", "60", "--steps",
                    "60", "--eval_episode_num", "0"],
+    # Discrete actions, no actor flags: onehot + REINFORCE by themselves (debug narrows the keys to images).
+    "gym_discrete": ["--configs", "debug", "--task", "gym_CartPole-v1", "--steps", "100", "--eval_episode_num", "1",
+                     "--eval_every", "100", "--encoder.mlp_keys", ".*", "--decoder.mlp_keys", ".*"],
     "gym": ["--configs", "debug", "--task", "gym_Pendulum-v1", "--action_repeat", "2", "--time_limit", "100",
             "--steps", "100", "--eval_episode_num", "0", "--encoder.mlp_keys", "vector", "--decoder.mlp_keys",
             "vector", "--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^"],
@@ -798,6 +827,9 @@ def test_debug_training_run(training_runs, name):
     assert episodes, output[-3000:]
     with np.load(episodes[0]) as episode:
         assert episode["is_first"][0] and episode["is_last"][-1]
+    if name == "gym_discrete":
+        assert "Actor: onehot distribution, reinforce gradient (actor.dist and imag_gradient auto" in output
+        assert any(key.startswith("actor/") for key in set().union(*lines))
     if name == "crafter":  # the suite's metrics reach the log, for training and evaluation
         keys = set().union(*lines)
         assert {"train/crafter_score", "eval/crafter_score", "train/achievement_collect_wood"} <= keys

@@ -126,6 +126,8 @@ def test_saved_config_warns_on_change_and_refuses_another_task(tmp_path):
     result = train(logdir, "--steps", "80", "--eval_episode_num", "0", "--batch_size", "8")
     assert "warning: differs from the saved config: batch_size: 10 -> 8" in result.stdout
     assert "warning: differs from the saved config: steps" not in result.stdout  # budget keys change silently
+    # 'auto' keys settle into what the saved config holds: no warning for them.
+    assert "saved config: actor.dist" not in result.stdout and "saved config: imag_gradient" not in result.stdout
     env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
     command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--task",
                "dmc_walker_walk"]
@@ -194,3 +196,64 @@ def test_summary_says_compile_does_not_pay_on_a_cpu():
         config = dreamer.parse(["--configs", "debug", "--compile", "True", "--device", device])
         assert want in dreamer.compile_note(config)
     assert dreamer.compile_note(dreamer.parse(["--configs", "debug"])) == "off"
+
+
+def test_start_up_phases_print_progress_lines_in_a_log_file(run):
+    """stdout is a file here (not a tty): every phase before training says when it starts and ends."""
+    _, result = run
+    # debug's prefill of 1 frame leaves no full sequence to replay: the pretraining does 0 of 1 updates.
+    for line in ("prefill: 0/1 frames", "prefill: done, 1 frames in", "pretrain: 0/1 updates",
+                 "pretrain: done, 0 updates in"):
+        assert line in result.stdout, result.stdout[:2000]
+    assert result.stdout.index("prefill: done") < result.stdout.index("pretrain: 0/1")
+
+
+def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
+    import dreamer
+
+    clock = iter([100.0, 102.0, 104.0, 108.0, 110.0])
+    monkeypatch.setattr(dreamer.time, "time", lambda: next(clock))
+    phase = dreamer.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
+    phase.update(10)  # t=102: the first step gives the rate at once: 10 in 2 s, 90 to go at 5/s
+    phase.update(20)  # t=104: 2 s since the last line, no line
+    phase.update(30)  # t=108: 6 s since the last line: 30 in 8 s, 70 to go at 3.75/s
+    phase.close()  # t=110
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["pretrain: 0/100 updates",
+                     "pretrain: 10/100 updates (10%) | 5.00 updates/s | elapsed 0:00:02 | ETA 0:00:18",
+                     "pretrain: 30/100 updates (30%) | 3.75 updates/s | elapsed 0:00:08 | ETA 0:00:18",
+                     "pretrain: done, 30 updates in 10.0 s"]
+
+
+def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
+    """A step longer than `every` (a compiling first update, a full-size update on a loaded CPU)
+    still gets lines: the heartbeat prints the state every `every` seconds."""
+    import dreamer
+
+    phase = dreamer.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
+    time.sleep(0.7)  # one long step
+    phase.update(1)
+    phase.close()
+    lines = capsys.readouterr().out.splitlines()
+    waiting = [line for line in lines if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
+    assert len(waiting) >= 2 and "ETA ?" in waiting[0], lines
+    assert lines[-1].startswith("compile warm-up (first update): done, 1 calls in")
+
+
+def test_cpu_runs_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys, monkeypatch):
+    """compile auto on a CPU runs eagerly and says so; an explicit --compile True compiles, and the
+    first (compiling) update is announced and timed (compilation itself stubbed out here)."""
+    import dreamer
+
+    common = ["--configs", "debug", "--device", "cpu", "--steps", "40", "--eval_episode_num", "0"]
+    dreamer.main([*common, "--compile", "auto", "--logdir", str(tmp_path / "auto")])
+    out = capsys.readouterr().out
+    assert "Compile: off (auto: on a CPU compile measured no faster than eager; --compile True compiles)" in out
+    assert "compile warm-up" not in out
+    monkeypatch.setattr(dreamer.Dreamer, "compile_steps", lambda self: ["stub"])
+    dreamer.main([*common, "--compile", "True", "--logdir", str(tmp_path / "explicit")])
+    out = capsys.readouterr().out
+    assert "Compile: on (on a CPU it measured no faster than eager" in out
+    for name in ("first update", "first policy step"):
+        assert f"compile warm-up ({name}): 0/1 calls" in out
+        assert out.count(f"compile warm-up ({name}): done, 1 calls in") == 1

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One GPU check, at most 8 minutes on one CUDA GPU (every step has a time cap and the whole script a
+# deadline; a step that does not fit is reported as skipped, never silently dropped):
+#   1. the suite's CUDA-relevant tests (tests/test_compile.py) on cuda (DREAMER_TEST_DEVICE=cuda);
+#   2. a short dmc_vision training run with --compile True --precision 16 on cuda;
+#   3. benchmarks/train_speed.py for dmc_proprio and dmc_vision, compile off/on x precision 32/16;
+# then one table. Outputs go to $GPU_CHECK_OUT (default /tmp/gpu_check).
+#
+#   bash benchmarks/gpu_check.sh
+#
+# GPU_CHECK_PRINT_ONLY=1 prints the commands instead of running them (tests/test_benchmarks.py checks
+# that every flag they use exists, on machines without a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${GPU_CHECK_OUT:-/tmp/gpu_check}"
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-470}))
+declare -A status
+
+run() {  # run NAME CAP COMMAND...: at most CAP seconds, never past the deadline; output shown and kept
+  local name=$1 cap=$2 left rc
+  shift 2
+  if [ -n "${GPU_CHECK_PRINT_ONLY:-}" ]; then
+    echo "$*"
+    return 0
+  fi
+  left=$((deadline - SECONDS))
+  if [ "$left" -lt "$cap" ]; then cap=$left; fi
+  if [ "$cap" -lt 15 ]; then
+    status[$name]="skipped (out of time)"
+    echo "== $name: skipped (out of time)"
+    return 0
+  fi
+  echo "== $name (at most ${cap} s): $*"
+  rc=0
+  timeout "$cap" "$@" 2>&1 | tee "$out/$name.txt" || rc=$?
+  case $rc in
+    0) status[$name]="ok" ;;
+    124) status[$name]="timed out after ${cap} s" ;;
+    *) status[$name]="failed (exit $rc)" ;;
+  esac
+}
+
+if [ -z "${GPU_CHECK_PRINT_ONLY:-}" ]; then
+  rm -rf "$out"
+  mkdir -p "$out"
+  python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: CUDA is not available')"
+  python3 -c "import torch; p = torch.cuda.get_device_properties(0); print(f'GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
+  date -u +"date: %Y-%m-%d %H:%M UTC"
+fi
+
+export MUJOCO_GL="${MUJOCO_GL:-egl}"
+run tests 150 env DREAMER_TEST_DEVICE=cuda python3 -m pytest -q tests/test_compile.py
+run train_vision 150 python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --device cuda \
+  --compile True --precision 16 --envs 1 --steps 3000 --prefill 1000 --pretrain 10 --eval_every 100000 \
+  --eval_episode_num 1 --log_every 1000 --logdir "$out/train_vision_logdir"
+for preset in dmc_proprio dmc_vision; do
+  for compile in False True; do
+    for precision in 32 16; do
+      cap=$([ "$compile" = True ] && echo 75 || echo 30)
+      run "speed_${preset}_compile${compile}_fp${precision}" "$cap" python3 benchmarks/train_speed.py \
+        --configs "$preset" --task dmc_walker_walk --device cuda --compile "$compile" --precision "$precision" \
+        --updates 5 --warmup 2
+    done
+  done
+done
+if [ -n "${GPU_CHECK_PRINT_ONLY:-}" ]; then exit 0; fi
+
+echo
+echo "| step | result |"
+echo "|---|---|"
+echo "| tests/test_compile.py on cuda | ${status[tests]}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
+fps=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(f\"{[r for r in rows if 'perf/fps' in r][-1]['perf/fps']:.1f}\")" \
+  "$out/train_vision_logdir/metrics.jsonl" 2>/dev/null || echo "?")
+echo "| dmc_vision run (compile True, precision 16, train ratio 512) | ${status[train_vision]}; last logged env frames/s: $fps |"
+echo
+echo "| preset | compile | precision | s/update | updates/s | peak memory | status |"
+echo "|---|---|---|---|---|---|---|"
+for preset in dmc_proprio dmc_vision; do
+  for compile in False True; do
+    for precision in 32 16; do
+      name="speed_${preset}_compile${compile}_fp${precision}"
+      file="$out/$name.txt"
+      seconds=$(grep -Eo 'seconds per update: [0-9.]+' "$file" 2>/dev/null | grep -Eo '[0-9.]+$' || echo "-")
+      rate=$(grep -Eo '^updates_per_s=[0-9.]+' "$file" 2>/dev/null | cut -d= -f2 || echo "-")
+      memory=$(grep -Eo 'peak memory: [0-9]+ MB' "$file" 2>/dev/null | grep -Eo '[0-9]+ MB' || echo "-")
+      echo "| $preset | $compile | $precision | $seconds | $rate | $memory | ${status[$name]} |"
+    done
+  done
+done
