@@ -1265,6 +1265,7 @@ def check_offline_traindir(config):
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written."""
     config = parse(sys.argv[1:] if argv is None else argv)
+    check_processes(config)
     if not config.logdir:
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     envs.check_task(config.task)
@@ -1323,7 +1324,6 @@ def check_processes(config):
 def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
-        check_processes(config)
     except (ConfigError, ValueError) as e:
         fail(str(e))
     ranks = tools.processes(config.device)
