@@ -1047,7 +1047,7 @@ class Trainer:
     def films_predictions(self, replay):
         """Open-loop videos need an image decoder and a full sequence to show."""
         config = self.config
-        return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
+        return (self.ranks.is_main and config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
                 and replay.ready(config.batch_length))
 
     def check_losses(self):
