@@ -824,7 +824,6 @@ class Trainer:
         self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
         self.saved_frames = None  # frame of the checkpoint on disk
         self.resumed = self.resume()
-        self.agent.distribute(self.ranks)
         # Every rank counts the frames of the rank that stored the most (they differ only after a
         # kill -9), so that all run the same number of iterations.
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
@@ -1359,6 +1358,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
+        agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
