@@ -406,10 +406,11 @@ class Dreamer(nn.Module):
     def distribute(self, ranks):
         """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
         optimizer averages its gradients over them, every return normalisation takes its
-        percentiles over all of them, and all weights and buffers (the slow critic, the return
-        EMAs) start from the main process's, so that they stay identical on every process."""
+        percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
+        and all weights and buffers (the slow critic, the return EMAs) start from the main
+        process's, so that they stay identical on every process."""
         for module in self.modules():
-            if isinstance(module, models.ReturnNorm):
+            if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
                 module.ranks = ranks
             for value in vars(module).values():
                 if isinstance(value, models.Optimizer):
