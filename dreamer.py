@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -418,6 +419,20 @@ class Dreamer(nn.Module):
             metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
         return metrics
 
+    def distribute(self, ranks):
+        """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
+        optimizer averages its gradients over them, every return normalisation takes its
+        percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
+        and all weights and buffers (the slow critic, the return EMAs) start from the main
+        process's, so that they stay identical on every process."""
+        for module in self.modules():
+            if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
+                module.ranks = ranks
+            for value in vars(module).values():
+                if isinstance(value, models.Optimizer):
+                    value.ranks = ranks
+        ranks.broadcast_(self.state_dict().values())
+
     def optimizer_state(self):
         state = {"model": self.wm.optimizer.state_dict(), "task": self.task_behavior.optimizer_state()}
         if self.updater.optimizer is not None:
@@ -576,8 +591,10 @@ def keep_freed_memory():
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
-def make_envs(config, mode, count):
-    ctors = [functools.partial(envs.make_env, config, mode, i) for i in range(count)]
+def make_envs(config, mode, count, first=0):
+    """`first`: the index (and seed offset) of the first one; under torchrun rank k's training
+    environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed."""
+    ctors = [functools.partial(envs.make_env, config, mode, first + i) for i in range(count)]
     if config.parallel:
         return [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") for i, ctor in enumerate(ctors)]
     return [parallel.Damy(ctor, i) for i, ctor in enumerate(ctors)]
@@ -661,7 +678,7 @@ def actor_note(config, resolved):
     return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
 
 
-def summary(config, agent, device_note, resumed_step):
+def summary(config, agent, device_note, resumed_step, ranks=None):
     """The start-up summary: what runs where, what differs from defaults, how big the model is."""
     defaults = flatten(load_presets()["defaults"])
     changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v and k not in agent.resolved}
@@ -675,7 +692,10 @@ def summary(config, agent, device_note, resumed_step):
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
         "Compile: " + compile_note(config, "compile" in agent.resolved),
         "Actor: " + actor_note(config, agent.resolved),
-        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})",
+        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"
+        + (" per process" if ranks is not None and ranks.world_size > 1 else ""),
+        *([f"Processes: {ranks.describe()}; envs and batch_size are per process"]
+          if ranks is not None and ranks.world_size > 1 else []),
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
@@ -792,11 +812,20 @@ class Phase:
 
 
 class Trainer:
-    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop."""
+    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop.
 
-    def __init__(self, config, agent, logdir, train_envs, eval_envs):
+    Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
+    own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
+    schedules are the same on all of them, so that each makes the same updates. The main process
+    alone logs, evaluates and writes the checkpoint, which holds every rank's random state.
+    """
+
+    def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
+        self.ranks = ranks or tools.SingleProcess()
         self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
+        if self.ranks.rank:  # rank 0 keeps the single-process folder, so its runs resume alike
+            self.traindir = self.traindir / f"rank{self.ranks.rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.checkpoint = logdir / "latest.pt"
@@ -816,6 +845,9 @@ class Trainer:
         self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
         self.saved_frames = None  # frame of the checkpoint on disk
         self.resumed = self.resume()
+        # Every rank counts the frames of the rank that stored the most (they differ only after a
+        # kill -9), so that all run the same number of iterations.
+        self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
         self.recent_episodes = []
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
@@ -830,7 +862,10 @@ class Trainer:
 
     def load_replay(self):
         config = self.config
-        replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
+        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
+        # is the evaluation replay's).
+        seed = config.seed + (1 + 1000 * self.ranks.rank if self.ranks.rank else 0)
+        replay = tools.Replay(config.dataset_size, max(1, config.envs), seed)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
         for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, self.episode_spec, self.skip)):
@@ -858,13 +893,21 @@ class Trainer:
                                   "fresh weights and the frame count continues from them")
             return False
         check_fits(self.agent, state["agent"], path)
+        saved_ranks = state.get("world_size", 1)
+        if saved_ranks != self.ranks.world_size:
+            raise ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
+                              f"{self.ranks.world_size}: resuming with another number of processes is not "
+                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
+                              "or another --logdir")
         changes = self.restore(state)
         self.saved_frames = self.frames
         if changes:
             self.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
         # After a kill -9, episodes written after the checkpoint are in replay; their frames were
         # spent, so the budget counts them (an episode running at the save may count twice).
-        extra = stored - state["counters"].get("stored_steps", stored)
+        rank = self.ranks.rank
+        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
+        extra = stored - saved
         self.counters.stored_steps = stored
         if extra > 0:
             self.counters.policy_steps += extra
@@ -912,9 +955,10 @@ class Trainer:
 
     def update(self, count, phase=None):
         config = self.config
+        # Every rank updates or none does: the updates average gradients over all of them.
+        if not count or not self.ranks.all(self.replay.ready(config.batch_length)):
+            return
         for i in range(count):
-            if not self.replay.ready(config.batch_length):
-                return
             batch = self.replay.sample(config.batch_size, config.batch_length)
             metrics = self.announce_compilation("first update", self.agent.train_step, batch)
             self.counters.updates += 1
@@ -926,8 +970,8 @@ class Trainer:
     def train(self):
         """Prefill, pretrain, then alternate collecting and updating until `steps` frames."""
         config = self.config
-        self.logger = tools.Logger(self.logdir, self.frames)
-        self.logger.writer.add_text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
+        self.logger = tools.Logger(self.logdir, self.frames) if self.ranks.is_main else tools.NullLogger()
+        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
         self.progress = Progress(config.steps, self.frames)
         try:
             if not self.resumed:
@@ -941,7 +985,7 @@ class Trainer:
                         self.update(config.pretrain, phase)
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
             while self.frames < config.steps:
-                if self.eval_envs and self.schedules["eval"](self.frames):
+                if self.evaluates and self.schedules["eval"](self.frames):
                     self.evaluate()
                     self.save()
                 self.collect(self.policy)
@@ -949,7 +993,7 @@ class Trainer:
                 self.progress.update(self.frames)
                 if self.schedules["log"](self.frames):
                     self.log()
-            if self.eval_envs:
+            if self.evaluates:
                 self.evaluate()
             self.log()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
@@ -1002,8 +1046,15 @@ class Trainer:
                 print(f"  env {i}: steps {row['steps']} episodes {row['episodes']} "
                       f"last return {row['last_return']:.1f} fps {row['fps']:.1f}", flush=True)
 
+    @property
+    def evaluates(self):
+        """Whether the run evaluates (the same on every rank; only the main one has eval_envs)."""
+        return self.config.eval_episode_num > 0 and (bool(self.eval_envs) or not self.ranks.is_main)
+
     def evaluate(self):
         config = self.config
+        if not self.eval_envs:  # another rank than the main one: it waits at the save that follows
+            return
         episodes = run_episodes(self.agent, self.eval_envs, config.eval_episode_num, self.evaldir)
         for episode in episodes:
             self.eval_replay.add_episode(strip_logs(episode))
@@ -1016,7 +1067,7 @@ class Trainer:
     def films_predictions(self, replay):
         """Open-loop videos need an image decoder and a full sequence to show."""
         config = self.config
-        return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
+        return (self.ranks.is_main and config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
                 and replay.ready(config.batch_length))
 
     def check_losses(self):
@@ -1039,6 +1090,11 @@ class Trainer:
 
     def save(self):
         self.check_losses()
+        # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
+        own = self.ranks.gather_object({"rng": rng_state(self.replay.rng), "stored_steps": self.counters.stored_steps})
+        if not self.ranks.is_main:
+            self.saved_frames = self.frames
+            return
         schedules = self.schedules
         state = {
             "agent": self.agent.state_dict(),
@@ -1046,7 +1102,9 @@ class Trainer:
             "counters": dict(vars(self.counters)),
             "schedules": {"train": schedules["train"].updates, "log": schedules["log"].last,
                           "eval": schedules["eval"].last},
-            "rng": rng_state(self.replay.rng),
+            "rng": own[0]["rng"],
+            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
+            "world_size": self.ranks.world_size,
         }
         try:
             tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
@@ -1057,6 +1115,11 @@ class Trainer:
         self.saved_frames = self.frames
 
     def save_on_interrupt(self):
+        if self.ranks.world_size > 1:
+            # Saving gathers from every rank, and each stopped at its own point of the loop.
+            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+            print(f"Not saved on interrupt under torchrun ({kept}).", file=sys.stderr, flush=True)
+            return
         try:
             self.save()
         except NonFiniteError as e:
@@ -1070,7 +1133,8 @@ class Trainer:
         self.schedules["train"].updates = state["schedules"]["train"]
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
-        set_rng_state(state["rng"], self.replay.rng)
+        rank = self.ranks.rank
+        set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], self.replay.rng)
         return changes
 
 
@@ -1221,6 +1285,7 @@ def check_offline_traindir(config):
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written."""
     config = parse(sys.argv[1:] if argv is None else argv)
+    check_processes(config)
     if not config.logdir:
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     envs.check_task(config.task)
@@ -1252,8 +1317,28 @@ def main(argv=None):
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as e:
+        found = tools.torchrun_rank()
+        if found is None:
+            raise
+        # torchrun ends the other processes once this one exits; this line says which one failed.
+        traceback.print_exc()
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: rank {found[0]} of {found[1]} failed: {type(e).__name__}: {message}", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+
+
+def check_processes(config):
+    """Modes not yet supported under torchrun: one line before any process group starts."""
+    if tools.torchrun_rank() is None:
+        return
+    for key in ("eval_only", "offline_traindir", "asynchronous"):
+        if getattr(config, key, None):
+            raise ConfigError(f"--{key} is not supported with torchrun yet; run it as one process "
+                              "(python3 dreamer.py ...)")
 
 
 def run(argv):
@@ -1261,26 +1346,40 @@ def run(argv):
         config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
         fail(str(e))
+    ranks = tools.processes(config.device)
+    try:
+        return run_processes(config, logdir, device_note, changed, ranks)
+    finally:
+        ranks.close()
+
+
+def run_processes(config, logdir, device_note, changed, ranks):
+    config.device = ranks.device(config.device)
+    if not ranks.is_main:  # the main process alone prints progress; errors still reach stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     # One run per logdir, held until this process ends. A logdir that exists may be in use: check
     # before building anything; a new one is locked once created. --eval_only only reads, so it
-    # may run beside training.
+    # may run beside training. Under torchrun the main process holds it for all.
     try:
-        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only else None
+        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
     except tools.LogdirBusy as e:
         fail(str(e))
-    seed_everything(config.seed, config.deterministic_run)
+    ranks.barrier()  # the others start only once the main process has the logdir
+    seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
     keep_freed_memory()
     train_envs, eval_envs = [], []
     try:
         if not config.offline_traindir and not config.eval_only:
-            train_envs = make_envs(config, "train", config.envs)
-        eval_count = min(max(config.envs, 1), config.eval_episode_num)
+            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs)
+        # The main process alone evaluates.
+        eval_count = min(max(config.envs, 1), config.eval_episode_num) if ranks.is_main else 0
         eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
+        agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
@@ -1291,16 +1390,18 @@ def run(argv):
             if config.eval_only:
                 return evaluate_checkpoint(config, agent, logdir, eval_envs)
             logdir.mkdir(parents=True, exist_ok=True)
-            lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+            if ranks.is_main:
+                lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
-        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None), flush=True)
+        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks), flush=True)
         for line in trainer.notes:
             print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
-        save_config(config, logdir / "config.yaml")
+        if ranks.is_main:
+            save_config(config, logdir / "config.yaml")
         trainer.train()
     finally:
         for env in train_envs + eval_envs:

@@ -75,6 +75,7 @@ class Plan2Explore(nn.Module):
     """
 
     TARGETS = ("stoch", "deter", "embed", "feat")
+    ranks = tools.SingleProcess()  # see Dreamer.distribute and ensemble_loss
     LOG_EPS = 1e-8  # floor inside log(variance): members that agree exactly give a finite reward
 
     def __init__(self, config, world_model, act_space):
@@ -158,7 +159,11 @@ class Plan2Explore(nn.Module):
         valid = (resets[:, span:span + length] == resets[:, :length]).float()  # no reset in (t, t + span]
         preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]))  # (K, B * length, D)
         error = ((preds - target.reshape(1, -1, self.target_size)) ** 2).mean((0, 2))
-        return (error * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
+        # Under torchrun the pairs are counted over all ranks (their mean count), so that the averaged
+        # gradient is the whole batch's even when the ranks' batches hold different numbers of pairs.
+        count = valid.sum()
+        self.ranks.average_([count])
+        return (error * valid.reshape(-1)).sum() / count.clamp(min=1)
 
     def train_step(self, start, start_cont, post, embed, data):
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])

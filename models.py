@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import networks
+import tools
 
 
 class LaProp(torch.optim.Optimizer):
@@ -66,7 +67,15 @@ class Optimizer:
     off; warmup is the number of updates over which the learning rate rises linearly from 0 (the
     first update has rate 0, as in the official code). Metrics stay tensors so that an update
     never waits on the device.
+
+    Under torchrun `ranks` (see Dreamer.distribute) averages the gradients over processes between
+    the backward pass and the clipping: an explicit all-reduce of the flattened gradients rather than
+    DistributedDataParallel, because the losses backpropagate into chosen parameters only
+    (`backward(inputs=...)`) and the actor's pass keeps the graph for the critic's, which DDP's
+    hooks on whole modules do not model. Clipping and the scaler then see the averaged gradient.
     """
+
+    ranks = tools.SingleProcess()
 
     SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
 
@@ -86,6 +95,7 @@ class Optimizer:
         any other module the loss depends on), clip and step."""
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward(inputs=self.params, retain_graph=retain_graph)
+        self.ranks.average_(p.grad for p in self.params if p.grad is not None)
         self.scaler.unscale_(self.opt)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip or float("inf"), foreach=True)
         if self.agc:
@@ -356,7 +366,13 @@ def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
 
 
 class ReturnNorm(nn.Module):
-    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns."""
+    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns.
+
+    Under torchrun the percentiles are those of every process's returns together (all-gathered),
+    so that the EMAs stay identical on every rank and equal those of one process on the whole batch.
+    """
+
+    ranks = tools.SingleProcess()
 
     def __init__(self, decay=0.99, low=0.05, high=0.95, floor=1.0):
         super().__init__()
@@ -366,7 +382,7 @@ class ReturnNorm(nn.Module):
 
     def forward(self, returns):
         """Update the EMAs with a batch of returns; return (offset, scale)."""
-        flat = returns.detach().float().flatten()
+        flat = self.ranks.all_gather(returns.detach().float().flatten())  # (world_size * H * N,)
         q = torch.quantile(flat, torch.tensor(self.quantiles, device=flat.device))
         self.low.mul_(self.decay).add_((1 - self.decay) * q[0])
         self.high.mul_(self.decay).add_((1 - self.decay) * q[1])
