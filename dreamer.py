@@ -431,6 +431,8 @@ class Dreamer(nn.Module):
             for value in vars(module).values():
                 if isinstance(value, models.Optimizer):
                     value.ranks = ranks
+        if self.updater.optimizer is not None:  # the joint optimizer lives outside the modules
+            self.updater.optimizer.ranks = ranks
         ranks.broadcast_(self.state_dict().values())
 
     def optimizer_state(self):

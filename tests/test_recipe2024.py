@@ -760,3 +760,12 @@ def test_new_keys_are_range_checked_at_start_up():
     with pytest.raises(dreamer.ConfigError, match="--warmup"):
         make_config("--warmup", "-1")
     assert make_config("--grad_clip", "0").grad_clip == 0  # 0: no global clip
+
+
+def test_distribute_reaches_the_joint_optimizer():
+    import tools
+    agent, _ = vector_setup(*JOINT)
+    ranks = tools.SingleProcess()
+    agent.distribute(ranks)
+    assert agent.updater.optimizer.ranks is ranks
+    assert agent.wm.optimizer.ranks is ranks and agent.task_behavior.critic_opt.ranks is ranks
