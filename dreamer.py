@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -43,8 +44,16 @@ CONFIG_FILE = pathlib.Path(__file__).parent / "configs.yaml"
 CHOICES = {
     "precision": (16, 32),
     "act": tuple(networks.ACTIVATIONS),
-    "opt": ("adam", "adamw"),
+    "opt": tuple(models.OPTIMIZERS),
     "initial": ("learned", "zeros"),
+    "norm": networks.NORMS,
+    "encoder.norm": networks.NORMS,
+    "decoder.norm": networks.NORMS,
+    "winit": networks.WINITS,
+    "dyn_cell": ("gru", "blockgru"),
+    "update": tuple(models.UPDATES),
+    "encoder.cnn": ("strided", "pooled"),
+    "decoder.cnn": ("transposed", "upsample"),
     "dyn_mean_act": ("none", "tanh5"),
     "dyn_std_act": ("softplus", "abs", "sigmoid", "sigmoid2"),
     "compile": ("auto", True, False),
@@ -52,8 +61,8 @@ CHOICES = {
     "expl_behavior": ("greedy", "random", "plan2explore"),
     "disag_target": ("stoch", "deter", "embed", "feat"),
     "actor.dist": ("auto", "normal", "onehot"),
-    "critic.dist": ("symlog_disc", "symlog_mse"),
-    "reward_head.dist": ("symlog_disc", "symlog_mse"),
+    "critic.dist": models.VALUE_DISTS,
+    "reward_head.dist": models.VALUE_DISTS,
     "decoder.image_dist": ("mse",),
     "decoder.vector_dist": ("symlog_mse", "mse"),
     "lives": ("unused", "discount", "reset"),
@@ -113,9 +122,15 @@ RANGES = {
     "critic.lr": (_positive, "a number > 0"),
     "critic.eps": (_positive, "a number > 0"),
     "weight_decay": (_at_least(0), "a number >= 0"),
-    "grad_clip": (_positive, "a number > 0"),
-    "actor.grad_clip": (_positive, "a number > 0"),
-    "critic.grad_clip": (_positive, "a number > 0"),
+    "grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "actor.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "critic.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
+    "agc": (_at_least(0), "a number >= 0 (0 for none)"),
+    "warmup": (_at_least(0), "a whole number >= 0"),
+    "critic.repval": (_at_least(0), "a number >= 0"),
+    "dyn_img_layers": (_at_least(1), "a whole number >= 1"),
+    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
+                   "a whole number >= 1 that divides --dyn_deter"),
     "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
     "discount_lambda": (_fraction, "a number in [0, 1]"),
     "imag_horizon": (_at_least(1), "a whole number >= 1"),
@@ -337,6 +352,9 @@ class Dreamer(nn.Module):
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
         self.task_behavior = models.ActorCritic(config, self.wm, act_space, self.extrinsic_reward)
+        if config.update not in models.UPDATES:
+            raise ValueError(f"Unknown update '{config.update}'; valid: {', '.join(models.UPDATES)}")
+        self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
         if config.expl_behavior == "greedy":
             self.expl_behavior = None
         elif config.expl_behavior == "random":
@@ -402,16 +420,33 @@ class Dreamer(nn.Module):
     def train_step(self, batch):
         """One update of every learner on a replayed batch (B, T, ...); returns tensor metrics."""
         data = self.wm.preprocess(batch)
-        post, embed, metrics = self.wm.train_step(data)
+        post, embed, metrics = self.updater.train_step(data)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
-        metrics.update(self.task_behavior.train_step(start, start_cont))
         if self.expl_behavior is not None:
             metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
         return metrics
 
+    def distribute(self, ranks):
+        """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
+        optimizer averages its gradients over them, every return normalisation takes its
+        percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
+        and all weights and buffers (the slow critic, the return EMAs) start from the main
+        process's, so that they stay identical on every process."""
+        for module in self.modules():
+            if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
+                module.ranks = ranks
+            for value in vars(module).values():
+                if isinstance(value, models.Optimizer):
+                    value.ranks = ranks
+        if self.updater.optimizer is not None:  # the joint optimizer lives outside the modules
+            self.updater.optimizer.ranks = ranks
+        ranks.broadcast_(self.state_dict().values())
+
     def optimizer_state(self):
         state = {"model": self.wm.optimizer.state_dict(), "task": self.task_behavior.optimizer_state()}
+        if self.updater.optimizer is not None:
+            state["update"] = self.updater.optimizer.state_dict()
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
             state["expl"] = {"ensemble": self.expl_behavior.optimizer.state_dict(),
                              "behavior": self.expl_behavior.behavior.optimizer_state()}
@@ -421,6 +456,8 @@ class Dreamer(nn.Module):
         """Returns the optimizer settings of this config that replace differing saved ones."""
         changes = self.wm.optimizer.load_state_dict(state["model"])
         changes += self.task_behavior.load_optimizer_state(state["task"])
+        if self.updater.optimizer is not None:
+            changes += self.updater.optimizer.load_state_dict(state["update"])
         if "expl" in state:
             changes += self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
             changes += self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
@@ -564,8 +601,10 @@ def keep_freed_memory():
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
-def make_envs(config, mode, count):
-    ctors = [functools.partial(envs.make_env, config, mode, i) for i in range(count)]
+def make_envs(config, mode, count, first=0):
+    """`first`: the index (and seed offset) of the first one; under torchrun rank k's training
+    environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed."""
+    ctors = [functools.partial(envs.make_env, config, mode, first + i) for i in range(count)]
     if config.parallel:
         return [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") for i, ctor in enumerate(ctors)]
     # The asynchronous actor steps the training environments from a thread of its own.
@@ -652,7 +691,7 @@ def actor_note(config, resolved):
     return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
 
 
-def summary(config, agent, device_note, resumed_step):
+def summary(config, agent, device_note, resumed_step, ranks=None):
     """The start-up summary: what runs where, what differs from defaults, how big the model is."""
     defaults = flatten(load_presets()["defaults"])
     changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v and k not in agent.resolved}
@@ -666,7 +705,10 @@ def summary(config, agent, device_note, resumed_step):
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
         "Compile: " + compile_note(config, "compile" in agent.resolved),
         "Actor: " + actor_note(config, agent.resolved),
-        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})",
+        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"
+        + (" per process" if ranks is not None and ranks.world_size > 1 else ""),
+        *([f"Processes: {ranks.describe()}; envs and batch_size are per process"]
+          if ranks is not None and ranks.world_size > 1 else []),
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
@@ -787,11 +829,20 @@ class Phase:
 
 
 class Trainer:
-    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop."""
+    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop.
 
-    def __init__(self, config, agent, logdir, train_envs, eval_envs):
+    Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
+    own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
+    schedules are the same on all of them, so that each makes the same updates. The main process
+    alone logs, evaluates and writes the checkpoint, which holds every rank's random state.
+    """
+
+    def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
+        self.ranks = ranks or tools.SingleProcess()
         self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
+        if self.ranks.rank:  # rank 0 keeps the single-process folder, so its runs resume alike
+            self.traindir = self.traindir / f"rank{self.ranks.rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.checkpoint = logdir / "latest.pt"
@@ -812,6 +863,9 @@ class Trainer:
         self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
         self.saved_frames = None  # frame of the checkpoint on disk
         self.resumed = self.resume()
+        # Every rank counts the frames of the rank that stored the most (they differ only after a
+        # kill -9), so that all run the same number of iterations.
+        self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
         self.recent_episodes = []
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
@@ -828,7 +882,10 @@ class Trainer:
 
     def load_replay(self):
         config = self.config
-        replay = tools.Replay(config.dataset_size, max(1, config.envs), config.seed)
+        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
+        # is the evaluation replay's).
+        seed = config.seed + (1 + 1000 * self.ranks.rank if self.ranks.rank else 0)
+        replay = tools.Replay(config.dataset_size, max(1, config.envs), seed)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
         for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, self.episode_spec, self.skip)):
@@ -856,13 +913,21 @@ class Trainer:
                                   "fresh weights and the frame count continues from them")
             return False
         check_fits(self.agent, state["agent"], path)
+        saved_ranks = state.get("world_size", 1)
+        if saved_ranks != self.ranks.world_size:
+            raise ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
+                              f"{self.ranks.world_size}: resuming with another number of processes is not "
+                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
+                              "or another --logdir")
         changes = self.restore(state)
         self.saved_frames = self.frames
         if changes:
             self.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
         # After a kill -9, episodes written after the checkpoint are in replay; their frames were
         # spent, so the budget counts them (an episode running at the save may count twice).
-        extra = stored - state["counters"].get("stored_steps", stored)
+        rank = self.ranks.rank
+        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
+        extra = stored - saved
         self.counters.stored_steps = stored
         if extra > 0:
             self.counters.policy_steps += extra
@@ -918,9 +983,10 @@ class Trainer:
 
     def update(self, count, phase=None):
         config = self.config
+        # Every rank updates or none does: the updates average gradients over all of them.
+        if not count or not self.ranks.all(self.replay.ready(config.batch_length)):
+            return
         for i in range(count):
-            if not self.replay.ready(config.batch_length):
-                return
             batch = self.replay.sample(config.batch_size, config.batch_length)
             metrics = self.announce_compilation("first update", self.agent.train_step, batch)
             self.counters.updates += 1
@@ -932,8 +998,8 @@ class Trainer:
     def train(self):
         """Prefill and pretrain, then the loop (`SyncLoop` or `AsyncLoop`) until `steps` frames."""
         config = self.config
-        self.logger = tools.Logger(self.logdir, self.frames)
-        self.logger.writer.add_text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
+        self.logger = tools.Logger(self.logdir, self.frames) if self.ranks.is_main else tools.NullLogger()
+        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
         self.progress = Progress(config.steps, self.frames)
         try:
             if not self.resumed:
@@ -948,7 +1014,7 @@ class Trainer:
                 # The prefill's steps count as paid for: training starts at the train ratio.
                 self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
             self.loop.run()
-            if self.eval_envs:
+            if self.evaluates:
                 self.evaluate()
             self.log()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
@@ -966,7 +1032,7 @@ class Trainer:
     def maintain(self):
         """What both loops do between steps: count finished episodes, evaluate, log."""
         self.count_episodes()
-        if self.eval_envs and self.schedules["eval"](self.frames):
+        if self.evaluates and self.schedules["eval"](self.frames):
             self.evaluate()
             self.save()
         self.progress.update(self.frames)
@@ -1023,8 +1089,15 @@ class Trainer:
                 print(f"  env {i}: steps {row['steps']} episodes {row['episodes']} "
                       f"last return {row['last_return']:.1f} fps {row['fps']:.1f}", flush=True)
 
+    @property
+    def evaluates(self):
+        """Whether the run evaluates (the same on every rank; only the main one has eval_envs)."""
+        return self.config.eval_episode_num > 0 and (bool(self.eval_envs) or not self.ranks.is_main)
+
     def evaluate(self):
         config = self.config
+        if not self.eval_envs:  # another rank than the main one: it waits at the save that follows
+            return
         episodes = run_episodes(self.agent, self.eval_envs, config.eval_episode_num, self.evaldir)
         for episode in episodes:
             self.eval_replay.add_episode(strip_logs(episode))
@@ -1037,7 +1110,7 @@ class Trainer:
     def films_predictions(self, replay):
         """Open-loop videos need an image decoder and a full sequence to show."""
         config = self.config
-        return (config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
+        return (self.ranks.is_main and config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
                 and replay.ready(config.batch_length))
 
     def check_losses(self):
@@ -1063,13 +1136,21 @@ class Trainer:
         schedules = self.schedules
         with self.loop.between_steps():  # counters, schedules and episodes on disk agree
             self.count_episodes()
+            # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
+            own = self.ranks.gather_object({"rng": rng_state(self.replay.rng),
+                                            "stored_steps": self.counters.stored_steps})
+            if not self.ranks.is_main:
+                self.saved_frames = self.frames
+                return
             state = {
                 "agent": self.agent.state_dict(),
                 "optimizers": self.agent.optimizer_state(),
                 "counters": dict(vars(self.counters)),
                 "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
                               "eval": schedules["eval"].last},
-                "rng": rng_state(self.replay.rng),
+                "rng": own[0]["rng"],
+                "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
+                "world_size": self.ranks.world_size,
             }
         try:
             tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
@@ -1080,6 +1161,11 @@ class Trainer:
         self.saved_frames = self.frames
 
     def save_on_interrupt(self):
+        if self.ranks.world_size > 1:
+            # Saving gathers from every rank, and each stopped at its own point of the loop.
+            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+            print(f"Not saved on interrupt under torchrun ({kept}).", file=sys.stderr, flush=True)
+            return
         try:
             self.save()
         except NonFiniteError as e:
@@ -1093,7 +1179,8 @@ class Trainer:
         self.schedules["train"].load_state_dict(state["schedules"]["train"])
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
-        set_rng_state(state["rng"], self.replay.rng)
+        rank = self.ranks.rank
+        set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], self.replay.rng)
         return changes
 
 
@@ -1376,6 +1463,7 @@ def check_offline_traindir(config):
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written."""
     config = parse(sys.argv[1:] if argv is None else argv)
+    check_processes(config)
     if not config.logdir:
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     envs.check_task(config.task)
@@ -1407,8 +1495,28 @@ def main(argv=None):
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as e:
+        found = tools.torchrun_rank()
+        if found is None:
+            raise
+        # torchrun ends the other processes once this one exits; this line says which one failed.
+        traceback.print_exc()
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: rank {found[0]} of {found[1]} failed: {type(e).__name__}: {message}", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+
+
+def check_processes(config):
+    """Modes not yet supported under torchrun: one line before any process group starts."""
+    if tools.torchrun_rank() is None:
+        return
+    for key in ("eval_only", "offline_traindir", "asynchronous"):
+        if getattr(config, key, None):
+            raise ConfigError(f"--{key} is not supported with torchrun yet; run it as one process "
+                              "(python3 dreamer.py ...)")
 
 
 def run(argv):
@@ -1416,26 +1524,40 @@ def run(argv):
         config, logdir, device_note, changed = setup(argv)
     except (ConfigError, ValueError) as e:
         fail(str(e))
+    ranks = tools.processes(config.device)
+    try:
+        return run_processes(config, logdir, device_note, changed, ranks)
+    finally:
+        ranks.close()
+
+
+def run_processes(config, logdir, device_note, changed, ranks):
+    config.device = ranks.device(config.device)
+    if not ranks.is_main:  # the main process alone prints progress; errors still reach stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     # One run per logdir, held until this process ends. A logdir that exists may be in use: check
     # before building anything; a new one is locked once created. --eval_only only reads, so it
-    # may run beside training.
+    # may run beside training. Under torchrun the main process holds it for all.
     try:
-        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only else None
+        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
     except tools.LogdirBusy as e:
         fail(str(e))
-    seed_everything(config.seed, config.deterministic_run)
+    ranks.barrier()  # the others start only once the main process has the logdir
+    seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
     keep_freed_memory()
     train_envs, eval_envs = [], []
     try:
         if not config.offline_traindir and not config.eval_only:
-            train_envs = make_envs(config, "train", config.envs)
-        eval_count = min(max(config.envs, 1), config.eval_episode_num)
+            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs)
+        # The main process alone evaluates.
+        eval_count = min(max(config.envs, 1), config.eval_episode_num) if ranks.is_main else 0
         eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
+        agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
@@ -1446,16 +1568,18 @@ def run(argv):
             if config.eval_only:
                 return evaluate_checkpoint(config, agent, logdir, eval_envs)
             logdir.mkdir(parents=True, exist_ok=True)
-            lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs)
+            if ranks.is_main:
+                lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
-        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None), flush=True)
+        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks), flush=True)
         for line in trainer.notes:
             print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
-        save_config(config, logdir / "config.yaml")
+        if ranks.is_main:
+            save_config(config, logdir / "config.yaml")
         trainer.train()
     finally:
         for env in train_envs + eval_envs:

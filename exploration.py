@@ -75,6 +75,7 @@ class Plan2Explore(nn.Module):
     """
 
     TARGETS = ("stoch", "deter", "embed", "feat")
+    ranks = tools.SingleProcess()  # see Dreamer.distribute and ensemble_loss
     LOG_EPS = 1e-8  # floor inside log(variance): members that agree exactly give a finite reward
 
     def __init__(self, config, world_model, act_space):
@@ -95,7 +96,8 @@ class Plan2Explore(nn.Module):
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
                                  config.disag_units, config.act)
         self.optimizer = models.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
-                                          config.opt_eps, config.grad_clip, opt=config.opt)
+                                          config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
+                                          warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
         self.reward_stats = {}
 
@@ -157,7 +159,11 @@ class Plan2Explore(nn.Module):
         valid = (resets[:, span:span + length] == resets[:, :length]).float()  # no reset in (t, t + span]
         preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]))  # (K, B * length, D)
         error = ((preds - target.reshape(1, -1, self.target_size)) ** 2).mean((0, 2))
-        return (error * valid.reshape(-1)).sum() / valid.sum().clamp(min=1)
+        # Under torchrun the pairs are counted over all ranks (their mean count), so that the averaged
+        # gradient is the whole batch's even when the ranks' batches hold different numbers of pairs.
+        count = valid.sum()
+        self.ranks.average_([count])
+        return (error * valid.reshape(-1)).sum() / count.clamp(min=1)
 
     def train_step(self, start, start_cont, post, embed, data):
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])

@@ -8,38 +8,109 @@ import torch
 from torch import nn
 
 import networks
+import tools
+
+
+class LaProp(torch.optim.Optimizer):
+    """LaProp (Ziyin et al. 2020), the 2024 recipe's optimizer: each gradient is divided by the
+    root of its bias-corrected second-moment EMA first, and the momentum averages these
+    normalised steps (Adam averages the raw gradients, then divides):
+
+        nu = b2 nu + (1 - b2) g^2,   u = g / (sqrt(nu / (1 - b2^t)) + eps),
+        mu = b1 mu + (1 - b1) u,     p -= lr (mu / (1 - b1^t) + weight_decay p).
+    """
+
+    def __init__(self, params, lr, eps=1e-20, betas=(0.9, 0.999), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["nu"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["mu"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t, grad = state["step"], p.grad.float()
+                state["nu"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                scaled = grad / ((state["nu"] / (1 - beta2 ** t)).sqrt() + group["eps"])
+                state["mu"].mul_(beta1).add_(scaled, alpha=1 - beta1)
+                update = state["mu"] / (1 - beta1 ** t)
+                if group["weight_decay"]:
+                    update = update + group["weight_decay"] * p
+                p.sub_((group["lr"] * update).to(p.dtype))
+
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "laprop": LaProp}
+
+
+def agc_(params, clip, floor=1e-3):
+    """Adaptive gradient clipping, per tensor: scale each gradient down to at most
+    clip * max(floor, |param|) in L2 norm (the 2024 recipe, with clip 0.3)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        upper = clip * torch.clamp(torch.linalg.vector_norm(p.detach()), min=floor)
+        p.grad.mul_(1 / torch.clamp(torch.linalg.vector_norm(p.grad) / upper, min=1.0))
 
 
 class Optimizer:
-    """Adam(W) with gradient-norm clipping and, for float16, a gradient scaler.
+    """Adam(W) or LaProp with global gradient-norm clipping and/or per-tensor adaptive clipping,
+    an optional linear learning-rate warm-up and, for float16, a gradient scaler.
 
-    Metrics stay tensors so that an update never waits on the device.
+    clip 0 turns the global clip off (its norm is still reported); agc 0 turns adaptive clipping
+    off; warmup is the number of updates over which the learning rate rises linearly from 0 (the
+    first update has rate 0, as in the official code). Metrics stay tensors so that an update
+    never waits on the device.
+
+    Under torchrun `ranks` (see Dreamer.distribute) averages the gradients over processes between
+    the backward pass and the clipping: an explicit all-reduce of the flattened gradients rather than
+    DistributedDataParallel, because the losses backpropagate into chosen parameters only
+    (`backward(inputs=...)`) and the actor's pass keeps the graph for the critic's, which DDP's
+    hooks on whole modules do not model. Clipping and the scaler then see the averaged gradient.
     """
+
+    ranks = tools.SingleProcess()
 
     SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
 
-    def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False):
-        self.name, self.clip = name, clip
+    def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False, agc=0.0,
+                 warmup=0):
+        self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
         self.params = [p for p in params if p.requires_grad]
-        if opt not in ("adam", "adamw"):
-            raise ValueError(f"Unknown opt '{opt}'; valid: adam, adamw")
-        cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
-        self.opt = cls(self.params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
+        if opt not in OPTIMIZERS:
+            raise ValueError(f"Unknown opt '{opt}'; valid: {', '.join(OPTIMIZERS)}")
+        kwargs = {"foreach": True} if opt != "laprop" else {}
+        self.opt = OPTIMIZERS[opt](self.params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
+        self.updates = 0  # for the warm-up; saved in state_dict
 
     def __call__(self, loss, retain_graph=False):
         """Backpropagate `loss` into this optimizer's parameters only (no gradient is computed for
         any other module the loss depends on), clip and step."""
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward(inputs=self.params, retain_graph=retain_graph)
+        self.ranks.average_(p.grad for p in self.params if p.grad is not None)
         self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip or float("inf"), foreach=True)
+        if self.agc:
+            agc_(self.params, self.agc)
+        if self.warmup:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * min(1.0, self.updates / self.warmup)
         self.scaler.step(self.opt)
         self.scaler.update()
+        self.updates += 1
         return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": norm.detach()}
 
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates,
+                "base_lr": self.lr}
 
     def load_state_dict(self, state):
         """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
@@ -48,13 +119,73 @@ class Optimizer:
         settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
+        self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
         changes = []
         for group, current in zip(self.opt.param_groups, settings):
+            if "base_lr" in state:  # mid warm-up the saved rate is a ramped one: compare the target rate
+                group["lr"] = state["base_lr"]
             for key, value in current.items():
                 if group[key] != value:
                     changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")
                 group[key] = value
         return changes
+
+
+class SequentialUpdate:
+    """The paper's update (update 'sequential'): a world-model step, then the actor and the critic
+    learn in imagination from the detached posteriors, each network with its own optimizer."""
+
+    optimizer = None  # the networks' own optimizers hold all the state
+
+    def __init__(self, config, world_model, behavior):
+        self.wm, self.behavior = world_model, behavior
+
+    def train_step(self, data):
+        """One update on a preprocessed batch (B, T, ...); returns the detached posterior, the
+        embedding and the metrics."""
+        post, embed, metrics = self.wm.train_step(data)
+        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
+        metrics.update(self.behavior.train_step(start, data["cont"].reshape(-1), replay))
+        return post, embed, metrics
+
+
+class JointUpdate:
+    """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
+    critic, and one step on the sum of all their losses, all taken at the same parameters. The
+    replay value loss is computed on the posterior features with their graph, so that it trains
+    the representation too. It uses the world model's optimizer settings (opt, model_lr,
+    opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
+    gradient through the critic's values would leak into the critic's weights in a joint step.
+    """
+
+    def __init__(self, config, world_model, behavior):
+        if config.imag_gradient != "reinforce":
+            raise ValueError(f"update 'joint' needs imag_gradient 'reinforce', not '{config.imag_gradient}'")
+        self.config, self.wm, self.behavior = config, world_model, behavior
+        params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
+        self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
+                                   config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
+
+    def train_step(self, data):
+        """One step on a preprocessed batch (B, T, ...); returns the detached posterior, the
+        embedding and the metrics, like WorldModel.train_step."""
+        with autocast(self.config):
+            with profiled("world_model"):
+                model_loss, post, embed, metrics = self.wm.loss(data)
+            start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
+            replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
+            actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
+            behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
+            metrics["model_loss"] = model_loss.detach()
+            metrics.update(self.optimizer(model_loss + actor_loss + critic_loss))
+        self.behavior.update_slow_critic()
+        metrics.update({self.behavior.prefix + k: v for k, v in behavior_metrics.items()})
+        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
+
+
+UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
 
 
 @contextlib.contextmanager
@@ -95,7 +226,7 @@ class WorldModel(nn.Module):
         self.rssm = networks.RSSM(config, self.encoder.outdim, act_space.shape[0])
         feat = self.rssm.feat_size
         self.heads = nn.ModuleDict({
-            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder),
+            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder, config.dyn_deter),
             "reward": networks.Head(feat, (), config.reward_head.layers, config.units, config.act, config.norm,
                                     config.reward_head.dist, config.reward_head.outscale),
             "cont": networks.Head(feat, (1,), config.cont_head.layers, config.units, config.act, config.norm,
@@ -104,9 +235,11 @@ class WorldModel(nn.Module):
         for name in config.grad_heads:
             if name not in self.heads:
                 raise ValueError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
+        networks.reinit(self, config.winit)
         self.loss_scales = {"reward": config.reward_head.loss_scale, "cont": config.cont_head.loss_scale}
         self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler=use_scaler(config))
+                                   config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
+                                   warmup=config.warmup)
 
     def preprocess(self, obs):
         """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
@@ -142,13 +275,29 @@ class WorldModel(nn.Module):
             elif name == "reward":
                 losses["reward"] = -pred.log_prob(data["reward"]) * self.loss_scales["reward"]
             else:
-                losses["cont"] = -pred.log_prob(data["cont"][..., None]) * self.loss_scales["cont"]
+                target = self.cont_target(data["cont"])[..., None]
+                losses["cont"] = -pred.log_prob(target) * self.loss_scales["cont"]
         loss = (sum(losses.values()) + kl).mean()
         metrics = {f"{k}_loss": v.detach().mean() for k, v in losses.items()}
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
                        post_entropy=self.rssm.dist(post).entropy().detach().mean())
         return loss, post, embed, metrics
+
+    def cont_target(self, cont):
+        """What the continue head learns from cont = 1 - terminal (B, T): the flag itself, or with
+        cont_head.contdisc the discount it implies, cont * discount (the 2024 recipe)."""
+        return cont * self.config.discount if self.config.cont_head.contdisc else cont
+
+    def imagined_cont(self, feat, start_cont):
+        """Continue weights (H+1, N) of an imagined trajectory feat (H+1, N, F) and the discount
+        to apply on top of them. The paper's: the replayed flag at the start, the head's 0/1 mode
+        after it, times `discount`. With contdisc: the head's probability at every step, which
+        already is the discount, so none on top."""
+        head = self.heads["cont"]
+        if self.config.cont_head.contdisc:
+            return head(feat).mean()[..., 0], 1.0
+        return torch.cat([start_cont[None], head(feat[1:]).mode()[..., 0]], 0), self.config.discount
 
     def train_step(self, data):
         """One world-model update; returns the detached posterior and embedding (B, T, ...)."""
@@ -177,6 +326,9 @@ class WorldModel(nn.Module):
         return torch.cat([truth, model, error], 2).float().cpu().numpy()
 
 
+VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
+
+
 def use_scaler(config):
     return config.precision == 16 and torch.device(config.device).type == "cuda"
 
@@ -195,8 +347,32 @@ def lambda_return(reward, cont, value, discount, lambda_):
     return torch.stack(returns[::-1])
 
 
+def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
+    """λ-returns along a replayed sequence (the 2024 recipe's replay value loss), all (B, T):
+    real rewards and terminations, bootstrapped at every step from `boot`, the imagined λ-return
+    of that step's posterior state. Output (B, T-1) for steps 0..T-2:
+
+        R_t = r_{t+1} + γ (1 - term_{t+1}) ((1 - c_{t+1}) boot_{t+1} + c_{t+1} R_{t+1}),
+        c = λ (1 - last),  R_{T-1} = boot_{T-1},
+
+    so that a sequence never bootstraps across an episode's last step."""
+    live = (1 - is_terminal[:, 1:]) * discount
+    cont = (1 - is_last[:, 1:]) * lambda_
+    returns, last = [], boot[:, -1]
+    for t in reversed(range(reward.shape[1] - 1)):
+        last = reward[:, t + 1] + live[:, t] * ((1 - cont[:, t]) * boot[:, t + 1] + cont[:, t] * last)
+        returns.append(last)
+    return torch.stack(returns[::-1], 1)
+
+
 class ReturnNorm(nn.Module):
-    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns."""
+    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns.
+
+    Under torchrun the percentiles are those of every process's returns together (all-gathered),
+    so that the EMAs stay identical on every rank and equal those of one process on the whole batch.
+    """
+
+    ranks = tools.SingleProcess()
 
     def __init__(self, decay=0.99, low=0.05, high=0.95, floor=1.0):
         super().__init__()
@@ -206,7 +382,7 @@ class ReturnNorm(nn.Module):
 
     def forward(self, returns):
         """Update the EMAs with a batch of returns; return (offset, scale)."""
-        flat = returns.detach().float().flatten()
+        flat = self.ranks.all_gather(returns.detach().float().flatten())  # (world_size * H * N,)
         q = torch.quantile(flat, torch.tensor(self.quantiles, device=flat.device))
         self.low.mul_(self.decay).add_((1 - self.decay) * q[0])
         self.high.mul_(self.decay).add_((1 - self.decay) * q[1])
@@ -230,19 +406,22 @@ class ActorCritic(nn.Module):
         actor_config.units = config.units
         self.actor = networks.Actor(feat, act_space.shape[0], actor_config, config.act, config.norm)
         critic = config.critic
-        if critic.dist not in ("symlog_disc", "symlog_mse"):
-            raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: symlog_disc, symlog_mse")
+        if critic.dist not in VALUE_DISTS:
+            raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: {', '.join(VALUE_DISTS)}")
         self.critic = networks.Head(feat, (), critic.layers, config.units, config.act, config.norm,
                                     critic.dist, critic.outscale)
+        networks.reinit(self.actor, config.winit)
+        networks.reinit(self.critic, config.winit)
         self.slow_critic = copy.deepcopy(self.critic).requires_grad_(False)
         self.return_norm = ReturnNorm() if config.reward_EMA else None
         if config.imag_gradient not in ("dynamics", "reinforce", "both"):
             raise ValueError(f"Unknown imag_gradient '{config.imag_gradient}'; valid: dynamics, reinforce, both")
         scaler = use_scaler(config)
+        schedule = {"agc": config.agc, "warmup": config.warmup}
         self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
-                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler)
-        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr,
-                                    config.critic.eps, config.critic.grad_clip, opt=config.opt, use_scaler=scaler)
+                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
+        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr, config.critic.eps,
+                                    config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
     def imagine(self, start):
@@ -272,9 +451,24 @@ class ActorCritic(nn.Module):
         states = {k: stack([s[k] for s in states]) for k in states[0]}
         return stack(feats), states, stack(actions), stack(outs)
 
-    def train_step(self, start, start_cont):
+    def train_step(self, start, start_cont, replay=None):
         """One actor and one critic update from posterior states start (N, ...) with their
-        continue flags start_cont (N,)."""
+        continue flags start_cont (N,). `replay`, the replayed reward, is_last and is_terminal
+        (B, T) with N = B * T, feeds the replay value loss (critic.repval)."""
+        actor_loss, critic_loss, metrics = self.loss(start, start_cont, replay)
+        with autocast(self.config):
+            with profiled("actor"):  # the backward pass through the imagined trajectories
+                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
+            with profiled("critic"):
+                metrics.update(self.critic_opt(critic_loss))
+        self.update_slow_critic()
+        return {self.prefix + k: v for k, v in metrics.items()}
+
+    def loss(self, start, start_cont, replay=None):
+        """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
+        without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
+        the replay value loss is computed on them, so that its gradient can reach the world model
+        (update 'joint'); otherwise on the detached start states."""
         config = self.config
         wm = self.wm[0]
         with frozen(wm), autocast(config):
@@ -282,32 +476,38 @@ class ActorCritic(nn.Module):
                 feat, state, action, policy_out = self.imagine(start)
                 # Rewards of the states reached, steps 1..H: (H, N).
                 reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
-                with torch.no_grad():  # the continue flags carry no gradient (Bernoulli mode)
-                    cont = torch.cat([start_cont[None], wm.heads["cont"](feat[1:]).mode()[..., 0]], 0)
+                with torch.no_grad():  # the continue flags carry no gradient
+                    cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
                 # The weight discounts losses of states the model believes lie past an episode end.
-                weight = (torch.cumprod(config.discount * cont, 0) / config.discount).detach()
+                weight = (torch.cumprod(discount * cont, 0) / discount).detach()
                 # One critic pass serves both losses: its values bootstrap the returns (the actor's
                 # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
                 # are what the critic loss trains. Each optimizer backpropagates into its own
                 # parameters only, so neither loss leaks into the other network.
                 critic_out = self.critic.raw(feat)  # (H+1, N, bins)
                 value = self.critic.dist(critic_out).mean()  # (H+1, N)
-                returns = lambda_return(reward, cont[1:], value[1:], config.discount, config.discount_lambda)
-            with profiled("actor"):  # includes the backward pass through the imagined trajectories
+                returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
+            with profiled("actor"):
                 policy = self.actor.dist(policy_out[:-1])
                 # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
                 # also flows through v(s_t) of the imagined states (into the actor only).
                 actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
-                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
             with profiled("critic"):
                 critic_dist = self.critic.dist(critic_out[:-1])
                 critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
+                if replay is not None and config.critic.repval:
+                    if "feat" in replay:
+                        replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
+                        replay_out = self.critic.raw(replay_feat)
+                    else:
+                        replay_feat, replay_out = feat[0], critic_out[0]
+                    repval = self.replay_value_loss(replay_feat.detach(), replay_out, returns[0].detach(), replay)
+                    critic_loss = critic_loss + config.critic.repval * repval
+                    critic_metrics["critic_repval_loss"] = repval.detach()
                 metrics.update(critic_metrics)
-                metrics.update(self.critic_opt(critic_loss))
-        self.update_slow_critic()
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
-        return {self.prefix + k: v for k, v in metrics.items()}
+        return actor_loss, critic_loss, metrics
 
     def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
         """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
@@ -355,6 +555,22 @@ class ActorCritic(nn.Module):
                 slow = self.slow_critic(feat[:-1]).mean()
             loss = loss - dist.log_prob(slow)
         return (weight[:-1] * loss).mean(), {"critic_value": dist.mean().detach().mean()}
+
+    def replay_value_loss(self, feat, critic_out, boot, replay):
+        """The critic also learns λ-returns of the replayed sequences (replay_lambda_return),
+        bootstrapped from the imagined returns `boot` (N,), with the same slow-critic regulariser;
+        feat (N, F) and critic_out (N, bins) are at the posterior states, N = B * T."""
+        shape = replay["reward"].shape  # (B, T)
+        boot = boot.reshape(shape)
+        returns = replay_lambda_return(replay["reward"], replay["is_last"], replay["is_terminal"], boot,
+                                       self.config.discount, self.config.discount_lambda)  # (B, T-1)
+        dist = self.critic.dist(critic_out.reshape(*shape, -1)[:, :-1])
+        loss = -dist.log_prob(returns)
+        if self.config.critic.slow_target:
+            with torch.no_grad():
+                slow = self.slow_critic(feat.reshape(*shape, -1)[:, :-1]).mean()
+            loss = loss - dist.log_prob(slow)
+        return ((1 - replay["is_last"][:, :-1]) * loss).mean()
 
     @torch.no_grad()
     def update_slow_critic(self):

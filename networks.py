@@ -36,30 +36,111 @@ class Compiled:
         return self.eager(*args, **kwargs)
 
 
-def init_(module, scale=1.0):
-    """Truncated-normal fan-average initialisation of every linear/conv weight (the paper's
-    default); scale 0 gives a zero layer, which the reward and critic heads use so that their
-    first predictions are exactly zero."""
+def init_(module, scale=1.0, fan="avg"):
+    """Truncated-normal initialisation of every linear/conv weight; biases start at zero.
+
+    fan 'avg' (the paper's): std = sqrt(scale / fan_avg). fan 'in' (the 2024 recipe): std =
+    scale / sqrt(fan_in), so that an output scale of 0.01 shrinks the layer a hundredfold.
+    Scale 0 gives a zero layer, which the reward and critic heads use so that their first
+    predictions are exactly zero. The scale is kept on the layer, so that `reinit` can redraw it
+    under the other rule.
+    """
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d, BlockLinear)):
+            m.init_scale = scale
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
             if scale == 0:
                 nn.init.zeros_(m.weight)
                 continue
-            fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(m.weight)
-            if isinstance(m, nn.ConvTranspose2d):
-                fan_in, fan_out = fan_out, fan_in
-            std = math.sqrt(scale / ((fan_in + fan_out) / 2)) / 0.87962566103423978
+            fan_in, fan_out = fan_sizes(m)
+            if fan == "avg":
+                std = math.sqrt(scale / ((fan_in + fan_out) / 2))
+            else:
+                std = scale / math.sqrt(fan_in)
+            std /= 0.87962566103423978  # the std of a unit normal truncated to [-2, 2]
             nn.init.trunc_normal_(m.weight, 0.0, std, -2 * std, 2 * std)
     return module
 
 
+def fan_sizes(layer):
+    """(fan_in, fan_out) of a layer's weight as the layer sees them."""
+    if isinstance(layer, BlockLinear):  # counted over all blocks, as for the dense layer it replaces
+        return layer.in_features, layer.out_features
+    fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(layer.weight)
+    if isinstance(layer, nn.ConvTranspose2d):
+        fan_in, fan_out = fan_out, fan_in
+    return fan_in, fan_out
+
+
+WINITS = ("fan_avg", "fan_in")
+
+
+def reinit(module, winit):
+    """Redraw every layer `init_` has seen under the initialisation rule `winit`, each with the
+    scale it was built with. 'fan_avg' is what construction already did, so it leaves the
+    weights (and the random stream) untouched."""
+    if winit not in WINITS:
+        raise ValueError(f"Unknown winit '{winit}'; valid: {', '.join(WINITS)}")
+    if winit == "fan_avg":
+        return module
+    for m in module.modules():
+        if hasattr(m, "init_scale"):
+            init_(m, m.init_scale, fan="in")
+    return module
+
+
+NORMS = ("layer", "rms", "none")
+
+
+def norm_kind(norm):
+    """'layer', 'rms' or 'none'; True and False, the older spelling, mean 'layer' and 'none'."""
+    if norm is True:
+        return "layer"
+    if norm is False or norm is None:
+        return "none"
+    if norm not in NORMS:
+        raise ValueError(f"Unknown norm '{norm}'; valid: {', '.join(NORMS)}")
+    return norm
+
+
+class RMSNorm(nn.Module):
+    """Scale-only RMS normalisation of the last dim (the 2024 recipe): x / sqrt(mean(x^2) + eps) * scale."""
+
+    def __init__(self, size, eps=1e-4):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()  # the mean of squares in full precision, also under autocast
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight).to(dtype)
+
+
+def make_norm(norm, size):
+    """The normalisation layer of `norm` over the last dim, or None. LayerNorm keeps the paper's
+    eps 1e-3 and RMSNorm the 2024 recipe's 1e-4."""
+    kind = norm_kind(norm)
+    if kind == "layer":
+        return nn.LayerNorm(size, eps=1e-3)
+    if kind == "rms":
+        return RMSNorm(size)
+    return None
+
+
+def has_bias(norm):
+    """A layer followed by LayerNorm needs no bias (the norm removes the mean); RMSNorm keeps it."""
+    return norm_kind(norm) != "layer"
+
+
 def dense(inp, out, act, norm):
-    """Linear -> LayerNorm -> activation, the block every MLP here is made of."""
-    layers = [nn.Linear(inp, out, bias=not norm)]
-    if norm:
-        layers.append(nn.LayerNorm(out, eps=1e-3))
+    """Linear -> norm -> activation, the block every MLP here is made of."""
+    layers = [nn.Linear(inp, out, bias=has_bias(norm))]
+    norm_layer = make_norm(norm, out)
+    if norm_layer is not None:
+        layers.append(norm_layer)
     layers.append(ACTIVATIONS[act]())
     return layers
 
@@ -67,7 +148,7 @@ def dense(inp, out, act, norm):
 class MLP(nn.Module):
     """Stack of `layers` dense blocks; optionally applies symlog to its inputs."""
 
-    def __init__(self, inp, layers, units, act="SiLU", norm=True, symlog_inputs=False):
+    def __init__(self, inp, layers, units, act="SiLU", norm="layer", symlog_inputs=False):
         super().__init__()
         blocks = []
         for i in range(layers):
@@ -85,10 +166,11 @@ class MLP(nn.Module):
 class Head(nn.Module):
     """MLP followed by an output layer that parameterises a distribution.
 
-    dist: 'symlog_disc' (255-bin two-hot), 'symlog_mse', 'mse' or 'binary'.
+    dist: 'symlog_disc' (255-bin two-hot in symlog space), 'symexp_twohot' (255 symexp-spaced
+    bins, the 2024 recipe), 'symlog_mse', 'mse' or 'binary'.
     """
 
-    DISTS = ("symlog_disc", "symlog_mse", "mse", "binary")
+    DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse", "mse", "binary")
 
     def __init__(self, inp, shape, layers, units, act, norm, dist, outscale=1.0, bins=255):
         super().__init__()
@@ -97,7 +179,7 @@ class Head(nn.Module):
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
-        out = bins if dist == "symlog_disc" else int(np.prod(self.shape))
+        out = bins if dist in ("symlog_disc", "symexp_twohot") else int(np.prod(self.shape))
         self.out = init_(nn.Linear(self.mlp.outdim, out), outscale)
 
     def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
@@ -107,8 +189,8 @@ class Head(nn.Module):
         return self.dist(self.raw(x))
 
     def dist(self, x):
-        if self.kind == "symlog_disc":
-            return tools.TwoHot(x)
+        if self.kind in ("symlog_disc", "symexp_twohot"):
+            return tools.TwoHot(x, squash=self.kind == "symlog_disc")
         x = x.reshape(*x.shape[:-1], *self.shape)
         if self.kind == "binary":
             return tools.Bernoulli(x)
@@ -156,6 +238,23 @@ class ChannelNorm(nn.LayerNorm):
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
+class ChannelRMSNorm(RMSNorm):
+    """RMSNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def channel_norm(norm, channels):
+    """The normalisation layer of `norm` over the channels of an NCHW tensor, or None."""
+    kind = norm_kind(norm)
+    if kind == "layer":
+        return ChannelNorm(channels, eps=1e-3)
+    if kind == "rms":
+        return ChannelRMSNorm(channels)
+    return None
+
+
 def conv_stages(size, minres):
     stages = int(np.log2(size) - np.log2(minres))
     if 2 ** stages * minres != size:
@@ -172,9 +271,9 @@ class ConvEncoder(nn.Module):
         layers, inp = [], channels
         for i in range(conv_stages(height, minres)):
             out = depth * 2 ** i
-            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=(kernel_size - 1) // 2, bias=not norm))
-            if norm:
-                layers.append(ChannelNorm(out, eps=1e-3))
+            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=(kernel_size - 1) // 2, bias=has_bias(norm)))
+            if channel_norm(norm, out) is not None:
+                layers.append(channel_norm(norm, out))
             layers.append(ACTIVATIONS[act]())
             inp = out
         self.net = init_(nn.Sequential(*layers))
@@ -201,11 +300,11 @@ class ConvDecoder(nn.Module):
             last = i == stages - 1
             out = channels if last else ch // 2
             conv = nn.ConvTranspose2d(ch, out, kernel_size, 2, padding=(kernel_size - 1) // 2,
-                                      output_padding=kernel_size % 2, bias=last or not norm)
+                                      output_padding=kernel_size % 2, bias=last or has_bias(norm))
             layers.append(init_(conv, outscale if last else 1.0))
             if not last:
-                if norm:
-                    layers.append(ChannelNorm(out, eps=1e-3))
+                if channel_norm(norm, out) is not None:
+                    layers.append(channel_norm(norm, out))
                 layers.append(ACTIVATIONS[act]())
             ch = out
         self.net = nn.Sequential(*layers)
@@ -214,6 +313,84 @@ class ConvDecoder(nn.Module):
         lead = feat.shape[:-1]
         x = self.linear(feat.reshape(-1, feat.shape[-1]))
         x = x.reshape(-1, self.start, self.minres, self.minres).contiguous(memory_format=torch.channels_last)
+        x = self.net(x).permute(0, 2, 3, 1)
+        x = torch.sigmoid(x) if self.sigmoid else x + 0.5
+        return x.reshape(*lead, *self.shape)
+
+
+def pooled_depths(depth, stages):
+    """Channels of the 2024 recipe's conv stages: depth x [2, 3, 4, 4], then 4 for any further stage."""
+    return [depth * (2, 3, 4)[min(i, 2)] for i in range(stages)]
+
+
+class PooledConvEncoder(nn.Module):
+    """The 2024 recipe's image encoder: per stage a stride-1 convolution, 2x2 max-pooling, norm and
+    activation, channels depth x [2, 3, 4, 4], down to `minres`; inputs shifted to [-0.5, 0.5]."""
+
+    def __init__(self, shape, depth, kernel_size, minres, act, norm):
+        super().__init__()
+        height, width, channels = shape
+        layers, inp = [], channels
+        for out in pooled_depths(depth, conv_stages(height, minres)):
+            layers.append(nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=has_bias(norm)))
+            layers.append(nn.MaxPool2d(2))
+            if channel_norm(norm, out) is not None:
+                layers.append(channel_norm(norm, out))
+            layers.append(ACTIVATIONS[act]())
+            inp = out
+        self.net = init_(nn.Sequential(*layers))
+        self.outdim = inp * minres * (width // (height // minres))
+
+    def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
+        x = image.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last) - 0.5
+        return self.net(x).flatten(1)
+
+
+class UpsampleConvDecoder(nn.Module):
+    """The 2024 recipe's image decoder. A spatial seed (minres, minres, C) is the sum of a
+    block-linear map of deter (8 blocks, each filling C/8 channels) and a two-layer map of the
+    stochastic state; then per stage nearest-neighbour 2x upsampling, a stride-1 convolution,
+    norm and activation, channels depth x [4, 3, 2] towards the image (the recipe's sigmoid
+    output is decoder.cnn_sigmoid)."""
+
+    def __init__(self, stoch_size, deter_size, shape, depth, kernel_size, minres, act, norm, outscale, units,
+                 sigmoid=True, blocks=8):
+        super().__init__()
+        self.sigmoid = sigmoid
+        height, width, channels = shape
+        stages = conv_stages(height, minres)
+        depths = pooled_depths(depth, stages)
+        self.shape, self.blocks, self.deter_size = tuple(shape), blocks, deter_size
+        self.seed_shape = (minres, width // (height // minres), depths[-1])  # (h, w, C)
+        size = int(np.prod(self.seed_shape))
+        self.from_deter = BlockLinear(deter_size, size, blocks)
+        self.from_stoch = init_(nn.Sequential(*dense(stoch_size, 2 * units, act, norm), nn.Linear(2 * units, size)))
+        self.seed_norm = channel_norm(norm, depths[-1]) or nn.Identity()
+        self.seed_act = ACTIVATIONS[act]()
+        layers, inp = [], depths[-1]
+        outs = [*depths[:-1][::-1], channels]
+        for i, out in enumerate(outs):
+            last = i == len(outs) - 1
+            layers.append(nn.Upsample(scale_factor=2, mode="nearest"))
+            conv = nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=last or has_bias(norm))
+            layers.append(init_(conv, outscale if last else 1.0))
+            if not last:
+                if channel_norm(norm, out) is not None:
+                    layers.append(channel_norm(norm, out))
+                layers.append(ACTIVATIONS[act]())
+            inp = out
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, feat):  # (..., stoch + deter) -> (..., H, W, C) in (0, 1)
+        lead = feat.shape[:-1]
+        feat = feat.reshape(-1, feat.shape[-1])
+        stoch, deter = feat[:, :-self.deter_size], feat[:, -self.deter_size:]
+        h, w, c = self.seed_shape
+        # Block k of the block-linear output is an (h, w, C / blocks) slab: channels block-major.
+        x0 = self.from_deter(deter).reshape(-1, self.blocks, h, w, c // self.blocks).permute(0, 2, 3, 1, 4)
+        x = x0.reshape(-1, h, w, c) + self.from_stoch(stoch).reshape(-1, h, w, c)
+        x = x.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)  # (N, C, h, w)
+        x = self.seed_act(self.seed_norm(x))
         x = self.net(x).permute(0, 2, 3, 1)
         x = torch.sigmoid(x) if self.sigmoid else x + 0.5
         return x.reshape(*lead, *self.shape)
@@ -242,8 +419,11 @@ class MultiEncoder(nn.Module):
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
-            self.cnn = ConvEncoder((height, width, channels), config.cnn_depth, config.kernel_size,
-                                   config.minres, config.act, config.norm)
+            if config.cnn not in ("strided", "pooled"):
+                raise ValueError(f"Unknown encoder.cnn '{config.cnn}'; valid: strided, pooled")
+            cls = ConvEncoder if config.cnn == "strided" else PooledConvEncoder
+            self.cnn = cls((height, width, channels), config.cnn_depth, config.kernel_size, config.minres,
+                           config.act, config.norm)
             self.outdim += self.cnn.outdim
         if self.mlp_shapes:
             size = sum(int(np.prod(s)) for s in self.mlp_shapes.values())
@@ -264,9 +444,11 @@ class MultiDecoder(nn.Module):
     """Reconstructs the observation keys matching its own cnn_keys / mlp_keys from the latent
     feature; returns one distribution per key."""
 
-    def __init__(self, feat_size, obs_space, config):
+    def __init__(self, feat_size, obs_space, config, deter_size=None):
         super().__init__()
         self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
+        if config.cnn not in ("transposed", "upsample"):
+            raise ValueError(f"Unknown decoder.cnn '{config.cnn}'; valid: transposed, upsample")
         if config.image_dist != "mse":
             raise ValueError(f"Unknown decoder.image_dist '{config.image_dist}'; valid: mse")
         if config.vector_dist not in ("symlog_mse", "mse"):
@@ -274,8 +456,13 @@ class MultiDecoder(nn.Module):
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
-            self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
-                                   config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
+            if config.cnn == "transposed":
+                self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
+                                       config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
+            else:  # needs deter apart from the stochastic state: feat is [stoch, deter]
+                self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
+                                               config.cnn_depth, config.kernel_size, config.minres, config.act,
+                                               config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
         if self.mlp_shapes:  # one MLP for all vector keys, its output split between them
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
@@ -299,10 +486,10 @@ class MultiDecoder(nn.Module):
 class GRUCell(nn.Module):
     """GRU with LayerNorm on the gates and the update gate biased towards keeping the state."""
 
-    def __init__(self, inp, size, norm=True):
+    def __init__(self, inp, size, norm="layer"):
         super().__init__()
-        self.linear = nn.Linear(inp + size, 3 * size, bias=not norm)
-        self.norm = nn.LayerNorm(3 * size, eps=1e-3) if norm else nn.Identity()
+        self.linear = nn.Linear(inp + size, 3 * size, bias=has_bias(norm))
+        self.norm = make_norm(norm, 3 * size) or nn.Identity()
         init_(self)
 
     def forward(self, x, h):
@@ -310,6 +497,60 @@ class GRUCell(nn.Module):
         reset, cand, update = parts.chunk(3, -1)
         reset = torch.sigmoid(reset)
         cand = torch.tanh(reset * cand)
+        update = torch.sigmoid(update - 1)
+        return update * cand + (1 - update) * h
+
+
+class BlockLinear(nn.Module):
+    """Block-diagonal linear layer: input and output split into `blocks` equal groups, output group
+    i computed from input group i only, with blocks times fewer weights than a dense layer."""
+
+    def __init__(self, inp, out, blocks, bias=True):
+        super().__init__()
+        if inp % blocks or out % blocks:
+            raise ValueError(f"BlockLinear sizes {inp} -> {out} must be divisible by blocks ({blocks})")
+        self.in_features, self.out_features, self.blocks = inp, out, blocks
+        self.weight = nn.Parameter(torch.empty(blocks, inp // blocks, out // blocks))
+        self.bias = nn.Parameter(torch.zeros(out)) if bias else None
+        init_(self)
+
+    def forward(self, x):  # (..., inp) -> (..., out)
+        x = x.reshape(*x.shape[:-1], self.blocks, self.in_features // self.blocks)
+        x = torch.einsum("...gi,gio->...go", x, self.weight).flatten(-2)
+        return x if self.bias is None else x + self.bias
+
+
+class BlockGRUCell(nn.Module):
+    """The 2024 recipe's recurrent cell: a GRU whose `deter` state is split into `blocks` groups,
+    each updated by block-diagonal layers from its own part of the state and from a shared
+    embedding of the previous state, latent and action (separate input layers for each).
+
+    Takes x = [stoch_flat, action] and h = deter, like GRUCell after the RSSM's img_in. Actions
+    are scaled by 1 / max(1, |a|), so that unbounded actions cannot blow up the state.
+    """
+
+    def __init__(self, stoch_size, action_size, hidden, deter, blocks, act, norm):
+        super().__init__()
+        self.sizes, self.blocks, self.deter = (stoch_size, action_size), blocks, deter
+        self.deter_in = init_(nn.Sequential(*dense(deter, hidden, act, norm)))
+        self.stoch_in = init_(nn.Sequential(*dense(stoch_size, hidden, act, norm)))
+        self.action_in = init_(nn.Sequential(*dense(action_size, hidden, act, norm)))
+        self.hidden = BlockLinear(deter + blocks * 3 * hidden, deter, blocks, bias=has_bias(norm))
+        self.hidden_norm = make_norm(norm, deter) or nn.Identity()
+        self.hidden_act = ACTIVATIONS[act]()
+        self.gates = BlockLinear(deter, 3 * deter, blocks)
+
+    def forward(self, x, h):  # x (B, stoch_flat + A), h (B, deter) -> (B, deter)
+        stoch, action = x.split(self.sizes, -1)
+        action = action / action.abs().clamp(min=1.0).detach()
+        embed = torch.cat([self.deter_in(h), self.stoch_in(stoch), self.action_in(action)], -1)  # (B, 3 hidden)
+        groups = h.reshape(*h.shape[:-1], self.blocks, self.deter // self.blocks)
+        embed = embed.unsqueeze(-2).expand(*groups.shape[:-1], embed.shape[-1])
+        x = torch.cat([groups, embed], -1).flatten(-2)  # (B, blocks * (deter / blocks + 3 hidden))
+        x = self.hidden_act(self.hidden_norm(self.hidden(x)))
+        gates = self.gates(x).reshape(*h.shape[:-1], self.blocks, 3 * self.deter // self.blocks)
+        reset, cand, update = (g.flatten(-2) for g in gates.chunk(3, -1))  # each gate per block
+        cand = torch.tanh(torch.sigmoid(reset) * cand)
         update = torch.sigmoid(update - 1)
         return update * cand + (1 - update) * h
 
@@ -333,9 +574,16 @@ class RSSM(nn.Module):
         self.initial_mode = config.initial
         stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
         hidden, act, norm = config.dyn_hidden, config.act, config.norm
-        self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
-        self.cell = GRUCell(hidden, self.deter, norm)
-        self.img_out = init_(nn.Sequential(*dense(self.deter, hidden, act, norm)))
+        if config.dyn_cell not in ("gru", "blockgru"):
+            raise ValueError(f"Unknown dyn_cell '{config.dyn_cell}'; valid: gru, blockgru")
+        if config.dyn_cell == "gru":
+            self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
+            self.cell = GRUCell(hidden, self.deter, norm)
+        else:  # the block GRU embeds deter, stoch and action itself
+            self.img_in = nn.Identity()
+            self.cell = BlockGRUCell(stoch_flat, action_size, hidden, self.deter, config.dyn_blocks, act, norm)
+        img_layers = [dense(self.deter if i == 0 else hidden, hidden, act, norm) for i in range(config.dyn_img_layers)]
+        self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
         stats = self.stoch * self.discrete if self.discrete else 2 * self.stoch
         self.img_stats = init_(nn.Linear(hidden, stats))

@@ -4,6 +4,7 @@
 2. Replay: episode files written atomically as .npz, and the sequence replay buffer.
 3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files.
 4. Schedules: the counters that decide when to train, log and evaluate.
+5. Processes: one training process, or one of several started by torchrun (data parallel).
 
 Nothing here knows about the world model or the environments.
 """
@@ -40,18 +41,24 @@ def symexp(x):
 
 
 class TwoHot:
-    """Categorical over `bins` equally spaced in symlog space (Eq. 9-10 of the paper).
+    """Categorical over `bins` two-hot bins (Eq. 9-10 of the paper).
 
-    The prediction is symexp(E[bin]); the loss is cross-entropy against the two-hot encoding of
-    symlog(target), which spreads the target over the two nearest bins by linear interpolation.
+    squash True (the paper's 'symlog_disc'): bins equally spaced in symlog space from low to
+    high; the prediction is symexp(E[bin]) and the loss the cross-entropy against the two-hot
+    encoding of symlog(target). squash False (the 2024 recipe's 'symexp_twohot'): the bins
+    themselves are symexp-spaced (symexp_bins), prediction E[bin] and target encoded as is.
     """
 
-    def __init__(self, logits, low=-20.0, high=20.0):
+    def __init__(self, logits, low=-20.0, high=20.0, squash=True):
         self.logits = logits  # (..., bins)
         self.log_probs = torch.log_softmax(logits, -1)
-        bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
-        if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
-            bins = (bins - bins.flip(0)) / 2
+        self.squash = squash
+        if squash:
+            bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+            if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
+                bins = (bins - bins.flip(0)) / 2
+        else:
+            bins = symexp_bins(logits.shape[-1], high, logits.device)
         self.bins = bins
 
     def mean(self):  # (...)
@@ -62,14 +69,25 @@ class TwoHot:
             m = n // 2
             lower = (probs[..., :m] * self.bins[:m]).flip(-1)
             upper = probs[..., m + 1:] * self.bins[m + 1:]
-            return symexp((lower + upper).sum(-1) + probs[..., m] * self.bins[m])
-        return symexp((probs * self.bins).sum(-1))
+            expected = (lower + upper).sum(-1) + probs[..., m] * self.bins[m]
+        else:
+            expected = (probs * self.bins).sum(-1)
+        return symexp(expected) if self.squash else expected
 
     mode = mean
 
     def log_prob(self, value):  # value: (...) -> (...)
-        target = twohot_encode(symlog(value.float()), self.bins)
+        value = value.float()
+        target = twohot_encode(symlog(value) if self.squash else value, self.bins)
         return (target * self.log_probs).sum(-1)
+
+
+def symexp_bins(num, high=20.0, device=None):
+    """`num` bins at symexp of points equally spaced in [-high, high], exactly antisymmetric
+    (with an exact 0 in the middle when num is odd)."""
+    half = symexp(torch.linspace(-high, 0.0, (num + 1) // 2 if num % 2 else num // 2, device=device))
+    mirror = -half[:-1].flip(0) if num % 2 else -half.flip(0)
+    return torch.cat([half, mirror])
 
 
 def twohot_encode(x, bins):
@@ -615,8 +633,30 @@ class Logger:
         except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
             warnings.warn(f"Could not write video {name}: {e}", stacklevel=2)
 
+    def text(self, name, value, step):
+        self.writer.add_text(name, value, step)
+
     def close(self):
         self.writer.close()
+
+
+class NullLogger:
+    """What every process but the main one logs to under torchrun: nothing."""
+
+    def scalar(self, name, value):
+        pass
+
+    def video(self, name, value):
+        pass
+
+    def text(self, name, value, step):
+        pass
+
+    def write(self, step):
+        return {}
+
+    def close(self):
+        pass
 
 
 # ==================================================================================================
@@ -770,3 +810,139 @@ class _Timed:
 
     def __exit__(self, *exc):
         self.seconds[self.name] += time.perf_counter() - self.start
+
+
+# ==================================================================================================
+# 5. Processes
+# ==================================================================================================
+
+
+class SingleProcess:
+    """The one process of a run started without torchrun: every collective is the identity.
+
+    `Distributed` replaces it under torchrun; models and the training loop call the same methods
+    either way, so the rank setup is this one choice (see `processes`)."""
+
+    rank, world_size, local_rank, is_main = 0, 1, 0, True
+
+    def device(self, requested):
+        return requested
+
+    def describe(self):
+        return "1"
+
+    def average_(self, tensors):
+        """Average `tensors` over processes, in place."""
+
+    def all_gather(self, tensor):  # (N, ...) per process -> (world_size * N, ...)
+        return tensor
+
+    def gather_object(self, value):
+        """[value of rank 0, rank 1, ...] on the main process, None elsewhere."""
+        return [value]
+
+    def max(self, value):
+        return value
+
+    def all(self, flag):
+        return flag
+
+    def broadcast_(self, tensors):
+        """Overwrite `tensors` with the main process's, in place."""
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class Distributed(SingleProcess):
+    """One of `world_size` processes of a data-parallel run (torch.distributed, launched by torchrun):
+    NCCL between GPUs, gloo between CPU processes. Rank 0 is the main process.
+
+    Collectives run in the same order on every process; `timeout` bounds how long one waits for a
+    process that hangs (one that dies ends the job at once: torchrun stops the others)."""
+
+    def __init__(self, rank, world_size, local_rank, device, timeout):
+        import torch.distributed as dist
+
+        self.dist, self.rank, self.world_size, self.local_rank = dist, rank, world_size, local_rank
+        self.is_main = rank == 0
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(local_rank)
+        self.backend = "nccl" if self.cuda else "gloo"
+        kwargs = {"device_id": torch.device("cuda", local_rank)} if self.cuda else {}
+        dist.init_process_group(self.backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+
+    def device(self, requested):
+        """cuda -> cuda:<local rank>: one GPU per process on each machine."""
+        return f"cuda:{self.local_rank}" if self.cuda else requested
+
+    def describe(self):
+        return f"{self.world_size} (torchrun, {self.backend}; this is rank {self.rank})"
+
+    def average_(self, tensors):
+        tensors = list(tensors)
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective per optimizer step
+        self.dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def all_gather(self, tensor):
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def gather_object(self, value):
+        out = [None] * self.world_size if self.is_main else None
+        self.dist.gather_object(value, out, dst=0)
+        return out
+
+    def _reduce(self, value, op):
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._device())
+        self.dist.all_reduce(tensor, op=op)
+        return tensor.item()
+
+    def _device(self):
+        return torch.device("cuda", self.local_rank) if self.cuda else torch.device("cpu")
+
+    def max(self, value):
+        return type(value)(self._reduce(value, self.dist.ReduceOp.MAX))
+
+    def all(self, flag):
+        return bool(self._reduce(float(bool(flag)), self.dist.ReduceOp.MIN))
+
+    def broadcast_(self, tensors):
+        for t in tensors:
+            self.dist.broadcast(t, src=0)
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def close(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def torchrun_rank():
+    """(rank, world size, local rank) from the variables torchrun sets, or None without torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def processes(device, timeout=1800):
+    """The rank setup, chosen in this one place: `Distributed` under torchrun, else `SingleProcess`."""
+    found = torchrun_rank()
+    if found is None:
+        return SingleProcess()
+    return Distributed(*found, device, timeout)

@@ -70,3 +70,17 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
         config = dreamer.parse(args)
         assert config.device == "cuda" and config.compile in (True, False) and config.precision in (16, 32)
     assert kinds == {"tests", "train", "speed"}
+
+
+def test_distributed_benchmark_reports_frames_and_replayed_steps_per_second():
+    """benchmarks/distributed.py runs dreamer.py under torchrun (here one process, to stay short)."""
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--processes", "1", "--",
+                          "--configs", "dmc_proprio", "debug", "--device", "cpu", "--steps", "120",
+                          "--eval_episode_num", "0", "--log_every", "40"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "scaling=1.00"
+    row = [cell.strip() for cell in lines[-2].split("|")]
+    assert row[0] == "1" and float(row[1]) > 0 and float(row[2]) > 0
