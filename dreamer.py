@@ -1320,8 +1320,8 @@ class AsyncLoop:
         """The actor thread: step all environments while the limiter allows, until `steps` frames."""
         trainer, config = self.trainer, self.trainer.config
         # Intra-op threads are set per thread: the policy on a few observations gets one, and the
-        # learner keeps all of its own. (Changing the learner's count mid-run measured 1.5x slower
-        # updates on 2 cores: benchmarks/wall_clock.py, README Asynchronous training.)
+        # learner keeps all of its own. (A first design, the learner on cores - 1 threads switched to
+        # all while the actor waited, measured ~1.5x slower updates than sync on 2 cores: README.)
         torch.set_num_threads(1)
         try:
             while not self.stop.is_set() and trainer.frames < config.steps:
