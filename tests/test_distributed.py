@@ -53,10 +53,17 @@ def deterministic_sampling():
     tools.Normal.sample = tools.Normal.mode
 
 
-def make_agent():
+# The paper's sequential update with Plan2Explore, and the 2024 recipe's joint update (one LaProp
+# step with adaptive clipping and the replay value loss).
+UPDATES = {"sequential": ["--expl_behavior", "plan2explore"],
+           "joint": ["--update", "joint", "--imag_gradient", "reinforce", "--opt", "laprop", "--agc", "0.3",
+                     "--critic.repval", "0.3"]}
+
+
+def make_agent(update):
     torch.manual_seed(0)
-    config = dreamer.parse(["--configs", "debug", *PROPRIO, "--expl_behavior", "plan2explore", "--batch_size",
-                            str(BATCH), "--batch_length", "6"])
+    config = dreamer.parse(["--configs", "debug", *PROPRIO, *UPDATES[update], "--batch_size", str(BATCH),
+                            "--batch_length", "6"])
     return dreamer.Dreamer(OBS_SPACE, BOX, config)
 
 
@@ -88,17 +95,19 @@ def worker(out):
     torch.set_num_threads(1)
     deterministic_sampling()
     ranks = tools.processes("cpu")
-    agent = make_agent()
-    if ranks.rank:  # other initial weights on rank 1: the broadcast from rank 0 must replace them
-        for p in agent.parameters():
-            torch.nn.init.normal_(p.data)
-    agent.distribute(ranks)
-    half = {k: v[ranks.rank * BATCH:(ranks.rank + 1) * BATCH] for k, v in make_batch(2 * BATCH, 0).items()}
-    metrics, state, grads = update(agent, half)
-    for i in range(MORE):
-        agent.train_step(make_batch(BATCH, 10 * ranks.rank + i + 1))
-    later = {k: v.detach().clone() for k, v in agent.state_dict().items()}
-    torch.save({"metrics": metrics, "state": state, "grads": grads, "later": later}, out / f"rank{ranks.rank}.pt")
+    for name in UPDATES:
+        agent = make_agent(name)
+        if ranks.rank:  # other initial weights on rank 1: the broadcast from rank 0 must replace them
+            for p in agent.parameters():
+                torch.nn.init.normal_(p.data)
+        agent.distribute(ranks)
+        half = {k: v[ranks.rank * BATCH:(ranks.rank + 1) * BATCH] for k, v in make_batch(2 * BATCH, 0).items()}
+        metrics, state, grads = update(agent, half)
+        for i in range(MORE):
+            agent.train_step(make_batch(BATCH, 10 * ranks.rank + i + 1))
+        later = {k: v.detach().clone() for k, v in agent.state_dict().items()}
+        torch.save({"metrics": metrics, "state": state, "grads": grads, "later": later},
+                   out / f"{name}{ranks.rank}.pt")
     ranks.close()
 
 
@@ -107,23 +116,28 @@ def ranks_updated(tmp_path_factory):
     out = tmp_path_factory.mktemp("updates")
     result = torchrun(pathlib.Path(__file__), "updates", out, timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return {name: [torch.load(out / f"{name}{r}.pt", weights_only=True) for r in range(2)] for name in UPDATES}
 
 
-def test_one_update_on_two_ranks_equals_one_process_on_their_batches_together(ranks_updated, monkeypatch):
+@pytest.mark.parametrize("name", list(UPDATES))
+def test_one_update_on_two_ranks_equals_one_process_on_their_batches_together(ranks_updated, monkeypatch, name):
     monkeypatch.setattr(tools.OneHot, "sample", tools.OneHot.mode)
     monkeypatch.setattr(tools.Normal, "sample", tools.Normal.mode)
     torch.set_num_threads(1)
-    agent = make_agent()
+    agent = make_agent(name)
     metrics, state, grads = update(agent, make_batch(2 * BATCH, 0))
-    ranks = ranks_updated
+    ranks = ranks_updated[name]
     # Each rank's loss is the mean over its half; the whole batch's is their mean (Plan2Explore's
     # ensemble loss divides each rank's sum by the mean count of pairs over the ranks).
-    for key in ("model_loss", "actor_loss", "critic_loss", "expl_ensemble_loss", "expl_actor_loss"):
+    losses = {"sequential": ("model_loss", "actor_loss", "critic_loss", "expl_ensemble_loss", "expl_actor_loss"),
+              "joint": ("model_loss", "actor_loss", "critic_loss", "joint_loss")}[name]
+    for key in losses:
         mean = (ranks[0]["metrics"][key] + ranks[1]["metrics"][key]) / 2
         assert mean == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
     # Clipping saw the averaged gradient: the norms every rank reports are the whole batch's.
-    for key in ("model_grad_norm", "actor_grad_norm", "critic_grad_norm", "expl_ensemble_grad_norm"):
+    norms = {"sequential": ("model_grad_norm", "actor_grad_norm", "critic_grad_norm", "expl_ensemble_grad_norm"),
+             "joint": ("joint_grad_norm",)}[name]
+    for key in norms:
         for rank in ranks:
             assert rank["metrics"][key] == pytest.approx(metrics[key], rel=1e-4), key
     assert grads.keys() == ranks[0]["grads"].keys() and len(grads) > 20
@@ -137,10 +151,11 @@ def test_one_update_on_two_ranks_equals_one_process_on_their_batches_together(ra
     assert any("return_norm.high" in name for name in state)
 
 
-def test_parameters_stay_bitwise_identical_across_ranks(ranks_updated):
-    first, second = ranks_updated
-    for name in first["later"]:
-        assert torch.equal(first["later"][name], second["later"][name]), name
+@pytest.mark.parametrize("name", list(UPDATES))
+def test_parameters_stay_bitwise_identical_across_ranks(ranks_updated, name):
+    first, second = ranks_updated[name]
+    for key in first["later"]:
+        assert torch.equal(first["later"][key], second["later"][key]), key
     # ... though the ranks trained on different batches after the first update.
     assert not all(torch.equal(first["later"][k], first["state"][k]) for k in first["later"])
 
