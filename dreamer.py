@@ -2,8 +2,12 @@
 
     python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --logdir ./logdir/walker
 
-Reading order: configuration (parse), the agent (Dreamer), experience collection (Collector),
-evaluation, then `main`, the training loop itself. Rerunning the same command resumes.
+Reading order: configuration (CHOICES, RANGES, parse), the agent (Dreamer), experience collection
+(Collector), run set-up (devices, seeds, environments, saved config, start-up summary), then the
+training run: `Trainer` (replay, counters, schedules, `train()`) with its `Checkpoints` and its
+`RunLog` (logs, evaluation), and the loop that drives it (`SyncLoop` or `AsyncLoop`); then
+evaluation episodes, and the entry points `main`, `run` and `run_processes` (torchrun). Rerunning
+the same command resumes.
 """
 
 import argparse
@@ -70,7 +74,6 @@ CHOICES = {
     "actions": ("all", "needed"),
     "env_failure": ("restart", "stop"),
 }
-
 
 
 def valid_regex(text):
@@ -829,8 +832,9 @@ class Phase:
 
 
 class Trainer:
-    """Owns a run's replay, counters, schedules and logger; `train()` is the main loop.
+    """Owns a run's replay, counters and schedules; `train()` is the main loop.
 
+    Its checkpoint (`Checkpoints`) and its logs and evaluation (`RunLog`) are components of their own.
     Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
     own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
     schedules are the same on all of them, so that each makes the same updates. The main process
@@ -845,7 +849,6 @@ class Trainer:
             self.traindir = self.traindir / f"rank{self.ranks.rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
-        self.checkpoint = logdir / "latest.pt"
         self.counters = Counters()
         self.loop = LOOPS[config.asynchronous](self)
         self.schedules = {"train": self.loop.schedule,
@@ -861,19 +864,17 @@ class Trainer:
         for episode in tools.load_episodes(evaldir, 100 * config.batch_length, self.episode_spec, self.skip):
             self.eval_replay.add_episode(strip_logs(episode))
         self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
-        self.saved_frames = None  # frame of the checkpoint on disk
-        self.resumed = self.resume()
+        self.checkpoints = Checkpoints(self, logdir / "latest.pt")
+        self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
         # kill -9), so that all run the same number of iterations.
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
-        self.recent_episodes = []
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
                           if train_envs else None)
-        self.metrics = {}
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
-        self.last_log = (time.time(), self.counters.policy_steps, self.counters.updates)
+        self.run_log = RunLog(self)
         self.warmed_up = set()  # names of the compiled calls made once already
 
     @property
@@ -897,43 +898,26 @@ class Trainer:
         tools.skip_warning(filename, problem)
         self.skipped += 1
 
-    def resume(self):
-        """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
-        config = self.config
-        state, path, notes = tools.load_checkpoint_or_previous(self.checkpoint, config.device)
-        self.notes += [f"WARNING: {note}" for note in notes]
-        stored = 0 if config.offline_traindir else tools.stored_steps(self.traindir)
-        if state is None:
-            self.counters.stored_steps = stored
-            # Episodes of a run killed before its first checkpoint count towards the budget.
-            self.counters.policy_steps = stored
-            if stored:
-                self.notes.append(f"WARNING: no checkpoint in {self.logdir}, but {self.traindir} holds "
-                                  f"{stored * config.action_repeat} frames of episodes: training starts from "
-                                  "fresh weights and the frame count continues from them")
-            return False
-        check_fits(self.agent, state["agent"], path)
-        saved_ranks = state.get("world_size", 1)
-        if saved_ranks != self.ranks.world_size:
-            raise ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
-                              f"{self.ranks.world_size}: resuming with another number of processes is not "
-                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
-                              "or another --logdir")
-        changes = self.restore(state)
-        self.saved_frames = self.frames
-        if changes:
-            self.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
-        # After a kill -9, episodes written after the checkpoint are in replay; their frames were
-        # spent, so the budget counts them (an episode running at the save may count twice).
-        rank = self.ranks.rank
-        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
-        extra = stored - saved
-        self.counters.stored_steps = stored
-        if extra > 0:
-            self.counters.policy_steps += extra
-            self.notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
-                              f"checkpoint (frame {self.saved_frames})")
-        return True
+    # -- the components' entry points, for the loops, `main` and tests ------------------------------
+
+    checkpoint = property(lambda self: self.checkpoints.path)
+    saved_frames = property(lambda self: self.checkpoints.saved_frames)
+    logger = property(lambda self: self.run_log.logger)
+    progress = property(lambda self: self.run_log.progress)
+    metrics = property(lambda self: self.run_log.metrics)
+    evaluates = property(lambda self: self.run_log.evaluates)
+
+    def save(self):
+        self.checkpoints.save()
+
+    def restore(self, state):
+        return self.checkpoints.restore(state)
+
+    def log(self):
+        self.run_log.log()
+
+    def evaluate(self):
+        self.run_log.evaluate()
 
     # -- acting and learning ------------------------------------------------------------------------
 
@@ -945,11 +929,7 @@ class Trainer:
             episode = self.finished.popleft()
             self.counters.episodes += 1
             self.counters.stored_steps += len(episode["reward"]) - 1
-            self.recent_episodes.append(episode)
-            stats = episode_stats(episode)
-            self.logger.scalar("train/return", stats["return"])
-            self.logger.scalar("train/length", stats["length"])
-            self.progress.update(self.frames, train_return=stats["return"])
+            self.run_log.add_episode(episode)
 
     def collect(self, policy):
         if self.collector is None:  # offline: time advances as if the agent were collecting
@@ -992,15 +972,12 @@ class Trainer:
             self.counters.updates += 1
             if phase is not None:
                 phase.update(i + 1)
-            for key, value in metrics.items():
-                self.metrics.setdefault(key, []).append(value)
+            self.run_log.record(metrics)
 
     def train(self):
         """Prefill and pretrain, then the loop (`SyncLoop` or `AsyncLoop`) until `steps` frames."""
         config = self.config
-        self.logger = tools.Logger(self.logdir, self.frames) if self.ranks.is_main else tools.NullLogger()
-        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
-        self.progress = Progress(config.steps, self.frames)
+        self.run_log.open()
         try:
             if not self.resumed:
                 if self.collector is not None and self.frames < config.prefill:
@@ -1019,15 +996,14 @@ class Trainer:
             self.log()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
-            self.save_on_interrupt()
+            self.checkpoints.save_on_interrupt()
             raise
         else:
             self.loop.close()
             self.save()
         finally:
             self.loop.close()  # after any other error too: no thread outlives the run
-            self.progress.close()
-            self.logger.close()
+            self.run_log.close()
 
     def maintain(self):
         """What both loops do between steps: count finished episodes, evaluate, log."""
@@ -1039,13 +1015,154 @@ class Trainer:
         if self.schedules["log"](self.frames):
             self.log()
 
-    # -- logging, evaluation, checkpoints -----------------------------------------------------------
+
+class Checkpoints:
+    """A Trainer's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
+
+    A save holds the agent, optimizers, counters, schedules and the random state of every rank
+    (gathered on the main process, which alone writes). Non-finite values are never saved.
+    """
+
+    def __init__(self, trainer, path):
+        self.trainer, self.path = trainer, path
+        self.saved_frames = None  # frame of the checkpoint on disk
+
+    def kept(self):
+        """What a refused save leaves on disk, for its error message."""
+        return f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+
+    def resume(self):
+        """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
+        trainer = self.trainer
+        config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
+        state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device)
+        trainer.notes += [f"WARNING: {note}" for note in notes]
+        stored = 0 if config.offline_traindir else tools.stored_steps(trainer.traindir)
+        if state is None:
+            counters.stored_steps = stored
+            # Episodes of a run killed before its first checkpoint count towards the budget.
+            counters.policy_steps = stored
+            if stored:
+                trainer.notes.append(f"WARNING: no checkpoint in {trainer.logdir}, but {trainer.traindir} holds "
+                                     f"{stored * config.action_repeat} frames of episodes: training starts from "
+                                     "fresh weights and the frame count continues from them")
+            return False
+        check_fits(trainer.agent, state["agent"], path)
+        saved_ranks = state.get("world_size", 1)
+        if saved_ranks != ranks.world_size:
+            raise ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
+                              f"{ranks.world_size}: resuming with another number of processes is not "
+                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
+                              "or another --logdir")
+        changes = self.restore(state)
+        self.saved_frames = trainer.frames
+        if changes:
+            trainer.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
+        # After a kill -9, episodes written after the checkpoint are in replay; their frames were
+        # spent, so the budget counts them (an episode running at the save may count twice).
+        rank = ranks.rank
+        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
+        extra = stored - saved
+        counters.stored_steps = stored
+        if extra > 0:
+            counters.policy_steps += extra
+            trainer.notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
+                                 f"checkpoint (frame {self.saved_frames})")
+        return True
+
+    def save(self):
+        trainer = self.trainer
+        trainer.run_log.check_losses()
+        schedules, ranks = trainer.schedules, trainer.ranks
+        with trainer.loop.between_steps():  # counters, schedules and episodes on disk agree
+            trainer.count_episodes()
+            # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
+            own = ranks.gather_object({"rng": rng_state(trainer.replay.rng),
+                                       "stored_steps": trainer.counters.stored_steps})
+            if not ranks.is_main:
+                self.saved_frames = trainer.frames
+                return
+            state = {
+                "agent": trainer.agent.state_dict(),
+                "optimizers": trainer.agent.optimizer_state(),
+                "counters": dict(vars(trainer.counters)),
+                "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
+                              "eval": schedules["eval"].last},
+                "rng": own[0]["rng"],
+                "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
+                "world_size": ranks.world_size,
+            }
+        try:
+            tools.save_checkpoint(self.path, state)  # refuses non-finite values
+        except tools.CheckpointError:
+            raise NonFiniteError(f"non-finite weights or optimizer state at update {trainer.counters.updates}; "
+                                 f"the run stops without saving ({self.kept()})") from None
+        self.saved_frames = trainer.frames
+
+    def save_on_interrupt(self):
+        if self.trainer.ranks.world_size > 1:
+            # Saving gathers from every rank, and each stopped at its own point of the loop.
+            print(f"Not saved on interrupt under torchrun ({self.kept()}).", file=sys.stderr, flush=True)
+            return
+        try:
+            self.save()
+        except NonFiniteError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+
+    def restore(self, state):
+        """Returns the optimizer settings of this config that replaced differing saved ones."""
+        trainer = self.trainer
+        trainer.agent.load_state_dict(state["agent"])
+        changes = trainer.agent.load_optimizer_state(state["optimizers"])
+        vars(trainer.counters).update(state["counters"])
+        trainer.schedules["train"].load_state_dict(state["schedules"]["train"])
+        trainer.schedules["log"].last = state["schedules"]["log"]
+        trainer.schedules["eval"].last = state["schedules"]["eval"]
+        rank = trainer.ranks.rank
+        set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], trainer.replay.rng)
+        return changes
+
+
+class RunLog:
+    """A Trainer's logs and evaluation: the logger and progress display, the update metrics
+    averaged per log, the episodes finished since then, and the end on a non-finite loss.
+    Only the main process writes logs (the others get a NullLogger) and evaluates."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.metrics = {}  # name: [value per update since the last log]
+        self.recent_episodes = []
+        self.logger = self.progress = None  # made by open(), at the start of training
+        self.last_log = (time.time(), trainer.counters.policy_steps, trainer.counters.updates)
+
+    def open(self):
+        trainer = self.trainer
+        self.logger = tools.Logger(trainer.logdir, trainer.frames) if trainer.ranks.is_main else tools.NullLogger()
+        self.logger.text("config", "```\n" + json.dumps(trainer.config.to_dict(), indent=2) + "\n```",
+                         trainer.frames)
+        self.progress = Progress(trainer.config.steps, trainer.frames)
+
+    def close(self):
+        self.progress.close()
+        self.logger.close()
+
+    def record(self, metrics):
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append(value)
+
+    def add_episode(self, episode):
+        self.recent_episodes.append(episode)
+        stats = episode_stats(episode)
+        self.logger.scalar("train/return", stats["return"])
+        self.logger.scalar("train/length", stats["length"])
+        self.progress.update(self.trainer.frames, train_return=stats["return"])
 
     def log(self):
         self.check_losses()
-        config, counters = self.config, self.counters
-        self.count_episodes()
-        now, steps, frames = time.time(), counters.policy_steps, self.frames
+        trainer = self.trainer
+        config, counters = trainer.config, trainer.counters
+        trainer.count_episodes()
+        now, steps, frames = time.time(), counters.policy_steps, trainer.frames
         for key, values in self.metrics.items():
             self.logger.scalar(metric_name(key), torch.stack(values).float().mean())
         self.metrics.clear()
@@ -1053,25 +1170,25 @@ class Trainer:
         fps = (steps - self.last_log[1]) * config.action_repeat / seconds
         updates_per_s = (counters.updates - self.last_log[2]) / seconds
         for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
-                           ("replay_steps", len(self.replay))):
+                           ("replay_steps", len(trainer.replay))):
             self.logger.scalar(f"perf/{key}", value)
         if steps > self.last_log[1]:  # replayed steps per policy step since the last log
             ratio = (counters.updates - self.last_log[2]) * config.batch_size * config.batch_length
             self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
         busy = {f"{name}_busy" if name in ("learner", "env") else name: value
-                for name, value in self.stopwatch.fractions().items()}
-        for key, value in {**busy, **self.loop.stats()}.items():
+                for name, value in trainer.stopwatch.fractions().items()}
+        for key, value in {**busy, **trainer.loop.stats()}.items():
             self.logger.scalar(f"perf/{key}", value)
         self.logger.scalar("train/episodes", counters.episodes)
-        if self.collector is not None:
-            self.logger.scalar("train/dropped_episodes", self.collector.dropped)
+        if trainer.collector is not None:
+            self.logger.scalar("train/dropped_episodes", trainer.collector.dropped)
             self.log_env_status()
         for key, value in envs.episode_metrics(config.task, self.recent_episodes).items():
             self.logger.scalar(f"train/{key}", value)
         self.recent_episodes.clear()
-        if self.films_predictions(self.replay):
-            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
-            self.logger.video("train/openl", self.agent.wm.video_pred(batch))
+        if self.films_predictions(trainer.replay):
+            batch = trainer.agent.wm.preprocess(trainer.replay.sample(6, config.batch_length))
+            self.logger.video("train/openl", trainer.agent.wm.video_pred(batch))
         self.logger.write(frames)
         self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=busy["learner_busy"],
                              env_busy=busy["env_busy"])
@@ -1081,7 +1198,7 @@ class Trainer:
     def log_env_status(self):
         """What each environment is doing: scalars env/<i>/..., and a line per environment when
         the progress goes to a log file."""
-        for i, row in enumerate(self.collector.status()):
+        for i, row in enumerate(self.trainer.collector.status()):
             for key, value in row.items():
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
@@ -1092,26 +1209,29 @@ class Trainer:
     @property
     def evaluates(self):
         """Whether the run evaluates (the same on every rank; only the main one has eval_envs)."""
-        return self.config.eval_episode_num > 0 and (bool(self.eval_envs) or not self.ranks.is_main)
+        trainer = self.trainer
+        return trainer.config.eval_episode_num > 0 and (bool(trainer.eval_envs) or not trainer.ranks.is_main)
 
     def evaluate(self):
-        config = self.config
-        if not self.eval_envs:  # another rank than the main one: it waits at the save that follows
+        trainer = self.trainer
+        config = trainer.config
+        if not trainer.eval_envs:  # another rank than the main one: it waits at the save that follows
             return
-        episodes = run_episodes(self.agent, self.eval_envs, config.eval_episode_num, self.evaldir)
+        episodes = run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num, trainer.evaldir)
         for episode in episodes:
-            self.eval_replay.add_episode(strip_logs(episode))
+            trainer.eval_replay.add_episode(strip_logs(episode))
         returns = log_evaluation(self.logger, episodes, config)
-        if self.films_predictions(self.eval_replay):
-            batch = self.agent.wm.preprocess(self.eval_replay.sample(6, config.batch_length))
-            self.logger.video("eval/openl", self.agent.wm.video_pred(batch))
-        self.progress.update(self.frames, eval_return=float(np.mean(returns)))
+        if self.films_predictions(trainer.eval_replay):
+            batch = trainer.agent.wm.preprocess(trainer.eval_replay.sample(6, config.batch_length))
+            self.logger.video("eval/openl", trainer.agent.wm.video_pred(batch))
+        self.progress.update(trainer.frames, eval_return=float(np.mean(returns)))
 
     def films_predictions(self, replay):
         """Open-loop videos need an image decoder and a full sequence to show."""
-        config = self.config
-        return (self.ranks.is_main and config.video_pred_log and bool(self.agent.wm.heads["decoder"].cnn_shapes)
-                and replay.ready(config.batch_length))
+        trainer = self.trainer
+        config = trainer.config
+        return (trainer.ranks.is_main and config.video_pred_log
+                and bool(trainer.agent.wm.heads["decoder"].cnn_shapes) and replay.ready(config.batch_length))
 
     def check_losses(self):
         """End the run on a non-finite loss among the updates since the last log. Checked here and
@@ -1124,64 +1244,11 @@ class Trainer:
             bad = (~torch.isfinite(values.float())).nonzero()
             if len(bad):
                 index = int(bad[0])
-                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
+                first[key] = (self.trainer.counters.updates - len(values) + index + 1, float(values[index]))
         key = min(first, key=lambda k: first[k][0])
         update, value = first[key]
-        kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
         raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
-                             f"without saving ({kept})")
-
-    def save(self):
-        self.check_losses()
-        schedules = self.schedules
-        with self.loop.between_steps():  # counters, schedules and episodes on disk agree
-            self.count_episodes()
-            # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-            own = self.ranks.gather_object({"rng": rng_state(self.replay.rng),
-                                            "stored_steps": self.counters.stored_steps})
-            if not self.ranks.is_main:
-                self.saved_frames = self.frames
-                return
-            state = {
-                "agent": self.agent.state_dict(),
-                "optimizers": self.agent.optimizer_state(),
-                "counters": dict(vars(self.counters)),
-                "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
-                              "eval": schedules["eval"].last},
-                "rng": own[0]["rng"],
-                "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
-                "world_size": self.ranks.world_size,
-            }
-        try:
-            tools.save_checkpoint(self.checkpoint, state)  # refuses non-finite values
-        except tools.CheckpointError:
-            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
-            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
-                                 f"the run stops without saving ({kept})") from None
-        self.saved_frames = self.frames
-
-    def save_on_interrupt(self):
-        if self.ranks.world_size > 1:
-            # Saving gathers from every rank, and each stopped at its own point of the loop.
-            kept = f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
-            print(f"Not saved on interrupt under torchrun ({kept}).", file=sys.stderr, flush=True)
-            return
-        try:
-            self.save()
-        except NonFiniteError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-
-    def restore(self, state):
-        """Returns the optimizer settings of this config that replaced differing saved ones."""
-        self.agent.load_state_dict(state["agent"])
-        changes = self.agent.load_optimizer_state(state["optimizers"])
-        vars(self.counters).update(state["counters"])
-        self.schedules["train"].load_state_dict(state["schedules"]["train"])
-        self.schedules["log"].last = state["schedules"]["log"]
-        self.schedules["eval"].last = state["schedules"]["eval"]
-        rank = self.ranks.rank
-        set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], self.replay.rng)
-        return changes
+                             f"without saving ({self.trainer.checkpoints.kept()})")
 
 
 class NonFiniteError(RuntimeError):
