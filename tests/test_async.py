@@ -28,12 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEBUG = ["--configs", "debug", "--asynchronous", "--time_limit", "60", "--eval_every", "1000"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,14 +27,7 @@ OBS_SPACE = {"position": gymnasium.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 BOX = gymnasium.spaces.Box(-1, 1, (2,), np.float32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their spin-waiting
-    costs many times the work itself."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):

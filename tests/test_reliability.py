@@ -29,12 +29,7 @@ PRESETS = dreamer.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):
