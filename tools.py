@@ -1,9 +1,10 @@
-"""Shared building blocks, in four sections (in this order):
+"""Shared building blocks, in five sections (in this order):
 
 1. Distributions: symlog/symexp, two-hot, one-hot with unimix, bounded normal, MSE heads.
 2. Replay: episode files written atomically as .npz, and the sequence replay buffer.
 3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files.
-4. Schedules: the counters that decide when to train, log and evaluate.
+4. Schedules: the counters that decide when to train, log and evaluate, and the asynchronous
+   loop's samples-per-insert rate limiter.
 5. Processes: one training process, or one of several started by torchrun (data parallel).
 
 Nothing here knows about the world model or the environments.
