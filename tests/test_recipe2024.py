@@ -623,20 +623,9 @@ def test_replay_lambda_return_matches_the_recursion_written_out():
 
 
 def test_critic_repval_adds_the_weighted_replay_value_loss_to_the_critic():
-    import gymnasium
     losses = {}
     for repval in (0.0, 0.3):
-        config = make_config("--critic.repval", str(repval), "--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^",
-                             "--encoder.mlp_keys", "vec", "--decoder.mlp_keys", "vec")
-        obs = {"vec": gymnasium.spaces.Box(-np.inf, np.inf, (5,), dtype=np.float32)}
-        obs.update({k: gymnasium.spaces.Box(0, 1, (), dtype=bool) for k in ("is_first", "is_last", "is_terminal")})
-        torch.manual_seed(0)
-        agent = dreamer.Dreamer(obs, gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32), config)
-        rng = np.random.default_rng(0)
-        batch = {"vec": rng.normal(size=(2, 4, 5)).astype(np.float32),
-                 "action": rng.uniform(-1, 1, (2, 4, 3)).astype(np.float32),
-                 "reward": rng.normal(size=(2, 4)).astype(np.float32), "is_first": np.eye(4, dtype=bool)[[0, 0]],
-                 "is_last": np.zeros((2, 4), bool), "is_terminal": np.zeros((2, 4), bool)}
+        agent, batch = vector_setup("--critic.repval", str(repval))
         torch.manual_seed(1)
         losses[repval] = agent.train_step(batch)
     assert "critic_repval_loss" not in losses[0.0]
