@@ -815,8 +815,8 @@ def measure_costs(config, tasks, max_threads):
 
 
 def time_agent(agent, obs_space, act_space, config, max_threads, gpu):
-    """policy_ms at a batch of one, policy_extra_ms per further observation and update_s (after one
-    warm-up update) on max_threads torch threads, and the same on one thread (policy_1_ms, ...)."""
+    """policy_ms at a batch of one, policy_extra_ms per further observation and update_s (one update,
+    after one warm-up update) on max_threads torch threads, and the same on one thread (policy_1_ms, ...)."""
     obs = {k: np.stack([space.sample() for _ in range(4)]) for k, space in obs_space.items()}
 
     def policy_ms(n, calls=10):
@@ -837,14 +837,17 @@ def time_agent(agent, obs_space, act_space, config, max_threads, gpu):
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / count
 
-    update_s(1)  # warm-up: first-call allocations
+    # On max_threads and on one thread: which is faster depends on the model and on the machine's load
+    # (a loaded 2-core machine measured a small model's update 17x slower on 2 threads than on 1).
+    options = ((1, "_1"), (max_threads, "")) if max_threads > 1 and not gpu else ((max_threads, ""),)
+    torch.set_num_threads(options[0][0])
+    update_s(1)  # warm-up (first-call allocations), on the thread count that is likely cheaper
     out = {}
-    # On max_threads and on one thread: which is faster depends on the model and on the machine's load.
-    for threads, tag in ((max_threads, ""), *(((1, "_1"),) if max_threads > 1 and not gpu else ())):
+    for threads, tag in options:
         torch.set_num_threads(threads)
         out[f"policy{tag}_ms"] = policy_ms(1)
         out[f"policy{tag}_extra_ms"] = max(0.0, (policy_ms(4) - out[f"policy{tag}_ms"]) / 3)
-        out[f"update{tag}_s"] = update_s(2 if threads == max_threads else 1)
+        out[f"update{tag}_s"] = update_s(1)
     torch.set_num_threads(max_threads)
     return out
 
@@ -891,6 +894,8 @@ class Resources:
         if not reused:
             fixed_threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else None
             tasks = [config.task]
+            print(f"Resources: measuring for {', '.join(self.auto)} auto: the environment in-process and in workers, "
+                  "then the policy and a few updates (about a minute at full size on a CPU)", flush=True)
             costs = measure_costs(config, tasks, torch.get_num_threads())
             decision = decide_resources(
                 costs, tasks, config.train_ratio, config.batch_size, config.batch_length, config.asynchronous,
@@ -919,17 +924,18 @@ class Resources:
     def describe(self, reused):
         config, costs, decision = self.config, self.record["costs"], self.record["decision"]
         where = {True: "in worker processes", False: "in-process", "mixed": "some in worker processes"}
-        threads = (f"learner on {decision['threads']} torch threads" if decision["threads"]
-                   else "learner threads left alone (GPU)")
+        count = decision["threads"]
+        threads = f"learner on {count} torch thread{'s' * (count > 1)}" if count else "learner threads left alone (GPU)"
         how = (f"reused from {self.path} (measured {self.record['measured']}; pass --envs and --parallel to choose)"
                if reused else f"measured in {self.record['measure_s']:.0f} s")
         updates = config.train_ratio / (config.batch_size * config.batch_length)
         fps = decision["steps_per_s"] * config.action_repeat
-        lines = [f"Resources: {', '.join(self.auto)} auto, {how}: {decision['envs']} environments "
+        lines = [f"Resources: {', '.join(self.auto)} auto, {how}: {decision['envs']} environment"
+                 f"{'s' * (decision['envs'] > 1)} "
                  f"{where[decision['parallel']]}, {threads}; predicted {fps:.1f} frames/s, {decision['bound']}-bound"]
         for task in costs["env_ms"]:
             lines.append(f"  {task}: step {costs['env_ms'][task]:.2f} ms in-process, {costs['worker_ms'][task]:.2f} ms "
-                         f"in a worker; {decision['tasks'][task]['envs']} environments")
+                         f"in a worker; {decision['tasks'][task]['envs']} of the environments")
         one = (f" ({costs['update_1_s']:.3f} s and {costs['policy_1_ms']:.2f} ms on 1)"
                if costs.get("update_1_s") else "")
         lines.append(f"  each further worker +{costs['extra_worker_ms']:.2f} ms per step, worker start "
