@@ -226,6 +226,26 @@ def test_auto_run_prints_the_decision_logs_step_ms_and_resumes_with_it(tmp_path,
     assert len(stand_in_measurement) == 1
 
 
+def test_auto_with_the_asynchronous_loop_sets_the_learners_threads(tmp_path, capsys, monkeypatch,
+                                                                  stand_in_measurement):
+    # 2 cores, 0.16 updates per step, an update 2 s on one thread and 1 s on two, in-process. The
+    # learner on one thread leaves a core to the environments: min(1 / 21 ms, 1 / (0.16 x 2 s)) = 3.1
+    # steps/s; on two it leaves none, and the two take turns: 1 / (21 ms + 0.16 s) = 5.52 with one
+    # environment, 2 / (41 ms + 0.32 s) = 5.54 with two (within 3%): one environment, two threads.
+    monkeypatch.setattr(dreamer, "measure_costs", lambda config, tasks, max_threads: costs(
+        env_ms=20.0, worker_ms=21.0, update=1.0, update_1=2.0, cores=2, task=config.task))
+    logdir = tmp_path / "run"
+    dreamer.main([*SHORT, "--envs", "auto", "--asynchronous", "--logdir", str(logdir), "--steps", "40",
+                  "--log_every", "20"])
+    out = capsys.readouterr().out
+    assert "Resources: envs auto, measured" in out and "1 environment in-process" in out
+    assert "Asynchronous: learner on cpu with 2 torch threads" in out
+    decision = json.loads((logdir / "resources.json").read_text())["decision"]
+    assert decision["threads"] == 2 and decision["steps_per_s"] == pytest.approx(1 / (21e-3 + 0.16))
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert any(row.get("env/0/step_ms", 0) > 0 for row in rows)
+
+
 def test_torchrun_refuses_auto(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
