@@ -707,7 +707,7 @@ def split_envs(count, tasks, costs):
 
 
 def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynchronous=False,
-                     envs=None, parallel=None, threads=None, max_envs=None):
+                     envs=None, parallel=None, threads=None, max_envs=None, steps=None):
     """How many environments, which tasks' environments run in worker processes, and the learner's
     torch threads (on a CPU), for the most policy steps per second predicted from measured `costs`.
 
@@ -717,7 +717,9 @@ def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynch
     update_s (one update), each on max_threads torch threads and optionally on one (policy_1_ms,
     policy_1_extra_ms, update_1_s; see at_threads), cores, max_threads, gpu. The learner needs
     train_ratio / (batch_size * batch_length) updates per policy step. `envs`, `parallel` and
-    `threads` given are kept. Among the candidates within RESOURCE_TOLERANCE of the best, the fewest
+    `threads` given are kept. With the run's length in policy steps (`steps`), the workers' start-up
+    (worker_start_s; they start together) counts against the rate: a short run may not earn it back.
+    Among the candidates within RESOURCE_TOLERANCE of the best, the fewest
     environments and then the fewest worker processes win. Expensive tasks get the worker processes
     (and any remainder environment) first: a cheap task may do better in-process, where a step
     costs no round trip.
@@ -745,6 +747,8 @@ def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynch
             for option in thread_options:
                 rate, bound = predict_steps_per_s(costs, placement, option, updates_per_step, asynchronous)
                 processes = sum(process for _, process in placement)
+                if steps and processes:
+                    rate = steps / (steps / rate + costs["worker_start_s"])
                 candidates.append((rate, bound, count, processes, option, per_task, flags))
     best = max(c[0] for c in candidates)
     good = [c for c in candidates if c[0] >= (1 - RESOURCE_TOLERANCE) * best]
@@ -893,14 +897,15 @@ class Resources:
         reused = self.record is not None
         if not reused:
             fixed_threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else None
-            tasks = [config.task]
+            tasks = config.task.split(",")  # several with issue 15's task lists: each is measured
             print(f"Resources: measuring for {', '.join(self.auto)} auto: the environment in-process and in workers, "
                   "then the policy and a few updates (about a minute at full size on a CPU)", flush=True)
             costs = measure_costs(config, tasks, torch.get_num_threads())
             decision = decide_resources(
                 costs, tasks, config.train_ratio, config.batch_size, config.batch_length, config.asynchronous,
                 envs=None if config.envs == "auto" else config.envs,
-                parallel=None if config.parallel == "auto" else config.parallel, threads=fixed_threads)
+                parallel=None if config.parallel == "auto" else config.parallel, threads=fixed_threads,
+                steps=max(1, (config.steps - config.prefill) // config.action_repeat))
             self.record = {"settings": self.settings(), "costs": costs, "decision": decision,
                            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "measure_s": round(time.time() - start, 1)}
@@ -944,6 +949,18 @@ class Resources:
                      f"update {costs['update_s']:.3f} s, on {costs['max_threads']} threads{one}; "
                      f"{updates:.4g} updates per policy step; {costs['cores']} cores")
         return lines
+
+    def weights(self):
+        """{task: environments} of the decision (for the task assignment), or None without one."""
+        return None if self.record is None else {t: v["envs"] for t, v in self.record["decision"]["tasks"].items()}
+
+    def processes(self, env_tasks):
+        """Per environment (its task, from the task assignment), whether it runs in a worker process;
+        None (config.parallel for all) without a decision or with --parallel given."""
+        if self.record is None or "parallel" not in self.auto:
+            return None
+        placement = self.record["decision"]["tasks"]
+        return [placement[task]["processes"] for task in env_tasks]  # a task not measured is a bug: KeyError
 
     def save(self):
         if self.record is not None:
@@ -1957,7 +1974,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
     try:
         resources.settle()  # --envs auto, --parallel auto: measured (or reused) before any environment is built
         if not config.offline_traindir and not config.eval_only:
-            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs)
+            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs,
+                                   resources.processes([config.task] * config.envs))
         # The main process alone evaluates.
         eval_count = min(max(config.envs, 1), config.eval_episode_num) if ranks.is_main else 0
         eval_envs = make_envs(config, "eval", eval_count) if eval_count else []

@@ -116,6 +116,17 @@ def test_cheap_environment_stays_in_process():
     assert decision["parallel"] is False
 
 
+def test_a_short_run_does_not_start_workers_it_cannot_earn_back():
+    # The env-bound case above: 4 workers give 167 steps/s against at most 4 / 81.4 ms = 49.1
+    # in-process. Over 30 policy steps, starting them (1 s) costs more than it saves: 30 / (30 / 167 + 1)
+    # = 25.4 steps/s; over 100 000 it does not. In-process, 2 environments (2 / 41.2 ms = 48.5) are the
+    # fewest within 3% of the best.
+    decision = decide(costs(), max_envs=4, steps=30)
+    assert (decision["envs"], decision["parallel"]) == (2, False)
+    assert decision["steps_per_s"] == pytest.approx(2 / 41.2e-3)
+    assert decide(costs(), max_envs=4, steps=100000)["parallel"] is True
+
+
 def test_explicit_values_are_kept_and_gpu_threads_left_alone():
     decision = decide(costs(), envs=2, parallel=False)
     assert (decision["envs"], decision["parallel"]) == (2, False)
@@ -200,6 +211,27 @@ def test_resources_settle_report_save_and_reuse(tmp_path, stand_in_measurement):
     # Other settings (a train ratio) measure afresh.
     dreamer.Resources(make_config("--envs", "auto", "--train_ratio", "64"), tmp_path).settle()
     assert len(stand_in_measurement) == 2
+
+
+def test_decision_gives_task_weights_and_per_environment_placement(tmp_path, stand_in_measurement):
+    resources = dreamer.Resources(make_config("--envs", "auto", "--parallel", "auto"), tmp_path)
+    assert resources.weights() is None and resources.processes(["a"]) is None  # nothing decided yet
+    resources.settle()
+    task = "dmc_cartpole_balance"
+    assert resources.weights() == {task: 3}
+    assert resources.processes([task] * 3) == [True, True, True]
+    explicit = dreamer.Resources(make_config("--envs", "auto", "--parallel", "False"), tmp_path / "b")
+    explicit.settle()
+    assert explicit.processes([task]) is None  # --parallel given: config.parallel for every environment
+
+
+def test_make_envs_places_each_environment_as_told():
+    created = dreamer.make_envs(make_config(), "train", 2, processes=[False, True])
+    try:
+        assert [type(env) for env in created] == [parallel.Damy, parallel.Parallel]
+    finally:
+        for env in created:
+            env.close()
 
 
 def test_explicit_values_skip_the_measurement(tmp_path, stand_in_measurement):
