@@ -1,6 +1,6 @@
 """Training frames per second of `--envs auto --parallel auto` against hand-picked settings; a benchmark.
 
-    python3 benchmarks/auto.py                          # both tasks, 40 s of training each: ~15 minutes
+    python3 benchmarks/auto.py                          # both tasks, 30 s of training each: ~15 minutes
     python3 benchmarks/auto.py --seconds 20 --tasks proprio
 
 For each task, one `dreamer.py` run per setting, one after another, each in a fresh process and logdir
@@ -35,7 +35,7 @@ TASKS = {
 # Prefill: 65 steps in each of up to 4 streams (x action repeat 2), so that every setting trains from
 # its first step at the train ratio instead of owing a burst of updates once replay is ready.
 COMMON = ["--train_ratio", "512", "--batch_size", "16", "--batch_length", "64", "--prefill", "600", "--pretrain", "0",
-          "--eval_episode_num", "0", "--video_pred_log", "False", "--steps", "1000000", "--log_every", "40",
+          "--eval_episode_num", "0", "--video_pred_log", "False", "--steps", "1000000", "--log_every", "8",
           "--time_limit", "1000"]
 SETTINGS = [("auto", "auto"), ("1", "False"), ("1", "True"), ("2", "False"), ("2", "True"), ("4", "False"),
             ("4", "True")]
@@ -95,7 +95,7 @@ def run(task, envs, parallel, seconds, root, threads=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=40, help="training seconds per setting")
+    parser.add_argument("--seconds", type=float, default=30, help="training seconds per setting")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--settings", nargs="+", default=[f"{e},{p}" for e, p in SETTINGS],
                         help="envs,parallel pairs (auto,auto first); default: all seven")
