@@ -90,7 +90,11 @@ def run(task, envs, parallel, seconds, root, threads=None):
     record = None
     if envs == "auto" and (logdir / "resources.json").exists():
         record = json.loads((logdir / "resources.json").read_text())
-    return frames_per_second(log), record, max(len(log) - 1, 0)
+    # Updates per second in the first and last timed intervals: the same work at another speed means
+    # the machine's load changed during the run.
+    rates = [row["perf/updates_per_s"] for row in log[1:] if "perf/updates_per_s" in row]
+    drift = f"{rates[0]:.2f} -> {rates[-1]:.2f}" if rates else "n/a"
+    return frames_per_second(log), record, max(len(log) - 1, 0), drift
 
 
 def main():
@@ -108,7 +112,7 @@ def main():
     for task in args.tasks:
         results, threads = {}, None
         for envs, parallel in (setting.split(",") for setting in args.settings):
-            fps, record, intervals = run(task, envs, parallel, args.seconds, root, threads)
+            fps, record, intervals, drift = run(task, envs, parallel, args.seconds, root, threads)
             results[(envs, parallel)] = fps
             extra = f", learner threads {threads or 'default'}"
             if record is not None:
@@ -119,7 +123,7 @@ def main():
                          f"took {record['measure_s']} s; update {costs['update_s']:.2f} s on {costs['max_threads']}"
                          f" threads, {costs.get('update_1_s', float('nan')):.2f} s on 1)")
             print(f"  {task:8s} envs {envs:4s} --parallel {parallel:5s} {fps:8.2f} frames/s over {intervals} "
-                  f"log intervals{extra}  [load {os.getloadavg()[0]:.2f}]", flush=True)
+                  f"log intervals, updates/s {drift}{extra}  [load {os.getloadavg()[0]:.2f}]", flush=True)
         hand = {k: v for k, v in results.items() if k[0] != "auto"}
         if not hand or ("auto", "auto") not in results:
             continue
