@@ -66,8 +66,9 @@ def frames_per_second(log):
 
 def run(task, envs, parallel, seconds, root, threads=None):
     """Train until `seconds` after the first log line; returns (frames/s, setting chosen, measure s, intervals)."""
-    logdir = root / f"{task}_{envs}_{parallel}"
-    with open(root / f"{task}_{envs}_{parallel}.out", "w") as out:
+    name = f"{task}_{envs}_{parallel}_{len(list(root.glob('*.out')))}"  # a repeated setting starts afresh
+    logdir = root / name
+    with open(root / f"{name}.out", "w") as out:
         process = subprocess.Popen(command(task, envs, parallel, logdir), stdout=out, stderr=subprocess.STDOUT,
                                    cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1",
                                                       **({"OMP_NUM_THREADS": str(threads)} if threads else {})))
@@ -113,7 +114,7 @@ def main():
         results, threads = {}, None
         for envs, parallel in (setting.split(",") for setting in args.settings):
             fps, record, intervals, drift = run(task, envs, parallel, args.seconds, root, threads)
-            results[(envs, parallel)] = fps
+            results.setdefault((envs, parallel), []).append(fps)
             extra = f", learner threads {threads or 'default'}"
             if record is not None:
                 decision, costs = record["decision"], record["costs"]
@@ -124,6 +125,7 @@ def main():
                          f" threads, {costs.get('update_1_s', float('nan')):.2f} s on 1)")
             print(f"  {task:8s} envs {envs:4s} --parallel {parallel:5s} {fps:8.2f} frames/s over {intervals} "
                   f"log intervals, updates/s {drift}{extra}  [load {os.getloadavg()[0]:.2f}]", flush=True)
+        results = {k: sum(v) / len(v) for k, v in results.items()}  # repeated settings: their mean
         hand = {k: v for k, v in results.items() if k[0] != "auto"}
         if not hand or ("auto", "auto") not in results:
             continue
