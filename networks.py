@@ -670,7 +670,7 @@ class RSSM(nn.Module):
         """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
         as dicts of (B, T, ...)."""
         init = self.initial(embed.shape[0])
-        state = dict(init) if state is None else state  # a copy: a compiled obs_step guards on aliasing
+        state = dict(init if state is None else state)  # a copy: a compiled obs_step guards on aliasing
         posts, priors = [], []
         for t in range(embed.shape[1]):
             state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
