@@ -476,6 +476,8 @@ def test_small_sizes_have_the_official_count_and_train_one_update(size):
     batch.update(action=rng.uniform(-1, 1, (2, 3, 6)).astype(np.float32),
                  reward=rng.normal(size=(2, 3)).astype(np.float32), is_first=np.eye(3, dtype=bool)[[0, 0]],
                  is_last=np.zeros((2, 3), bool), is_terminal=np.zeros((2, 3), bool))
+    # The latents replay_context 1 stores with each step (zeros: the initial state).
+    batch.update({k: np.zeros((2, 3, *shape), dtype) for k, (shape, dtype) in agent.context.spec.items()})
     before = [p.detach().clone() for p in agent.wm.parameters()]
     metrics = agent.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
