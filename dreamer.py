@@ -153,6 +153,7 @@ RANGES = {
     "critic.slow_target_update": (_at_least(1), "a whole number >= 1"),
     "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
     "actor.min_std": (_positive, "a number > 0"),
+    "actor.absmax": (_at_least(0), "a number >= 0 (0 for unbounded samples)"),
     "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
     "dyn_min_std": (_at_least(0), "a number >= 0"),
     "actor.entropy": (_at_least(0), "a number >= 0"),
