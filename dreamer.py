@@ -520,12 +520,11 @@ class Collector:
 
     def _store_latents(self, state):
         """Attach the latents of the policy's `state` to the steps it just acted on."""
-        entries = self.context.entries(state, len(self.envs))
-        for i, (step, stepid) in enumerate(self.newest):
-            values = {k: v[i] for k, v in entries.items()}
-            step.update(values)
-            if stepid is not None:
-                self.replay.update([stepid], {k: v[None, None] for k, v in values.items()})
+        entries = self.context.entries(state, len(self.envs))  # (N, ...) each
+        for i, (step, _) in enumerate(self.newest):
+            step.update({k: v[i] for k, v in entries.items()})
+        if self.replay is not None:  # one step (L = 1) from each environment's newest id
+            self.replay.update([stepid for _, stepid in self.newest], {k: v[:, None] for k, v in entries.items()})
 
     def _reset(self, indices):
         futures = [(i, self.envs[i].reset()) for i in indices]
