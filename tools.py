@@ -406,6 +406,9 @@ class Replay:
     model must reset its latent state, as in the official implementation. The oldest steps are
     dropped once `capacity` steps are held in total.
 
+    Every step has an id (stream, index among the stream's steps) by which `update` rewrites it
+    (the policy's latents, the replay context's write-back, models.ReplayContext).
+
     Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
     under the lock, so a later add never changes a batch already taken).
     """
