@@ -204,13 +204,13 @@ class ReplayContext:
     the state anyway. K = 0 (v1): nothing is stored, sequences start from the initial state.
     """
 
-    PREFIX = "latent_"
+    PREFIX = tools.LATENT
 
     def __init__(self, config):
         self.steps = config.replay_context
         stoch = (config.dyn_stoch, config.dyn_discrete) if config.dyn_discrete else (config.dyn_stoch,)
-        self.spec = ({"latent_deter": ((config.dyn_deter,), np.dtype(np.float32)),
-                      "latent_stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
+        self.spec = ({self.PREFIX + "deter": ((config.dyn_deter,), np.dtype(np.float32)),
+                      self.PREFIX + "stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
 
     def entries(self, state, count):
         """What to store with the `count` steps the policy just acted on: dict of (count, ...)

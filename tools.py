@@ -263,16 +263,19 @@ def episode_spec(obs_space, act_space):
     return spec
 
 
+LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
+
+
 def fit_latents(episode, spec):
     """The episode with its stored policy latents (`latent_*` keys, see models.ReplayContext)
     made to fit `spec`: latents the spec wants but the episode lacks (written by a run without
     replay context), or holds in another shape (another model size), become zeros, which the
     replay context reads as the initial state; latents the spec does not want are dropped."""
     length = len(episode["reward"]) if "reward" in episode else 0
-    fitted = {k: v for k, v in episode.items() if not k.startswith("latent_") or k in spec}
+    fitted = {k: v for k, v in episode.items() if not k.startswith(LATENT) or k in spec}
     for key, (shape, dtype) in spec.items():
         value = fitted.get(key)
-        if key.startswith("latent_") and (value is None or value.shape != (length, *shape) or value.dtype != dtype):
+        if key.startswith(LATENT) and (value is None or value.shape != (length, *shape) or value.dtype != dtype):
             fitted[key] = np.zeros((length, *shape), dtype)
     return fitted
 
