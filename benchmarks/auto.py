@@ -2,6 +2,7 @@
 
     python3 benchmarks/auto.py                          # both tasks, 30 s of training each: ~15 minutes
     python3 benchmarks/auto.py --seconds 20 --tasks proprio
+    python3 benchmarks/auto.py --tasks vision --train_ratio 16   # where the environments matter too
 
 For each task, one `dreamer.py` run per setting, one after another, each in a fresh process and logdir
 (under /tmp): first `--envs auto --parallel auto`, which measures and also chooses the learner's torch
@@ -34,16 +35,16 @@ TASKS = {
 }
 # Prefill: 65 steps in each of up to 4 streams (x action repeat 2), so that every setting trains from
 # its first step at the train ratio instead of owing a burst of updates once replay is ready.
-COMMON = ["--train_ratio", "512", "--batch_size", "16", "--batch_length", "64", "--prefill", "600", "--pretrain", "0",
+COMMON = ["--batch_size", "16", "--batch_length", "64", "--prefill", "600", "--pretrain", "0",
           "--eval_episode_num", "0", "--video_pred_log", "False", "--steps", "1000000", "--log_every", "8",
           "--time_limit", "1000"]
 SETTINGS = [("auto", "auto"), ("1", "False"), ("1", "True"), ("2", "False"), ("2", "True"), ("4", "False"),
             ("4", "True")]
 
 
-def command(task, envs, parallel, logdir):
+def command(task, envs, parallel, logdir, train_ratio=512):
     return [sys.executable, str(ROOT / "dreamer.py"), *TASKS[task], *COMMON, "--envs", envs, "--parallel", parallel,
-            "--logdir", str(logdir)]
+            "--logdir", str(logdir), "--train_ratio", str(train_ratio)]
 
 
 def rows(logdir):
@@ -64,14 +65,14 @@ def frames_per_second(log):
     return frames / seconds if seconds else float("nan")
 
 
-def run(task, envs, parallel, seconds, root, threads=None):
+def run(task, envs, parallel, seconds, root, threads=None, train_ratio=512):
     """Train until `seconds` after the first log line; returns (frames/s, setting chosen, measure s, intervals)."""
     name = f"{task}_{envs}_{parallel}_{len(list(root.glob('*.out')))}"  # a repeated setting starts afresh
     logdir = root / name
     with open(root / f"{name}.out", "w") as out:
-        process = subprocess.Popen(command(task, envs, parallel, logdir), stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                                      **({"OMP_NUM_THREADS": str(threads)} if threads else {})))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        process = subprocess.Popen(command(task, envs, parallel, logdir, train_ratio), stdout=out,
+                                   stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         start = None
         deadline = time.time() + seconds + 600  # start-up (workers, measurement, prefill) must fit in this
         while process.poll() is None and time.time() < deadline:
@@ -104,6 +105,8 @@ def main():
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--settings", nargs="+", default=[f"{e},{p}" for e, p in SETTINGS],
                         help="envs,parallel pairs (auto,auto first); default: all seven")
+    parser.add_argument("--train_ratio", type=float, default=512,
+                        help="replayed steps per policy step (512: the presets'; 16: env and learner comparable)")
     parser.add_argument("--default_threads", action="store_true",
                         help="hand-picked runs on torch's default threads instead of the ones auto chose")
     args = parser.parse_args()
@@ -113,7 +116,8 @@ def main():
     for task in args.tasks:
         results, threads = {}, None
         for envs, parallel in (setting.split(",") for setting in args.settings):
-            fps, record, intervals, drift = run(task, envs, parallel, args.seconds, root, threads)
+            fps, record, intervals, drift = run(task, envs, parallel, args.seconds, root, threads,
+                                                args.train_ratio)
             results.setdefault((envs, parallel), []).append(fps)
             extra = f", learner threads {threads or 'default'}"
             if record is not None:
