@@ -3,11 +3,11 @@
     python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --logdir ./logdir/walker
 
 Reading order: configuration (CHOICES, RANGES, parse), the agent (Dreamer), experience collection
-(Collector), run set-up (devices, seeds, environments, saved config, start-up summary), then the
-training run: `Trainer` (replay, counters, schedules, `train()`) with its `Checkpoints` and its
-`RunLog` (logs, evaluation), and the loop that drives it (`SyncLoop` or `AsyncLoop`); then
-evaluation episodes, and the entry points `main`, `run` and `run_processes` (torchrun). Rerunning
-the same command resumes.
+(Collector), run set-up (devices, seeds, environments, `Resources` for --envs/--parallel auto,
+saved config, start-up summary), then the training run: `Trainer` (replay, counters, schedules,
+`train()`) with its `Checkpoints` and its `RunLog` (logs, evaluation), and the loop that drives it
+(`SyncLoop` or `AsyncLoop`); then evaluation episodes, and the entry points `main`, `run` and
+`run_processes` (torchrun). Rerunning the same command resumes.
 """
 
 import argparse
