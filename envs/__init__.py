@@ -138,6 +138,11 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
     padded actions map to.
     Raises ValueError naming the keys and tasks that do not fit.
     """
+    discrete = [bool(getattr(space, "discrete", False)) for space in act_spaces]
+    if any(discrete) and not all(discrete):
+        kind = lambda d: ", ".join(t for t, x in zip(tasks, discrete) if x == d)  # noqa: E731
+        raise ValueError(f"Tasks mix discrete actions ({kind(True)}) and continuous actions ({kind(False)}); "
+                         "one run can only mix tasks of one kind")
     obs_space = {}
     for key in sorted(set().union(*obs_spaces)):
         if key.startswith("log_"):  # suite metrics, per task: never part of the common format
@@ -157,11 +162,6 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
                              "observe the keys the model reads with the same shape (e.g. the same --size)")
         if len(have) == len(tasks) and alike == 1:
             obs_space[key] = obs_spaces[0][key]
-    discrete = [bool(getattr(space, "discrete", False)) for space in act_spaces]
-    if any(discrete) and not all(discrete):
-        kind = lambda d: ", ".join(t for t, x in zip(tasks, discrete) if x == d)  # noqa: E731
-        raise ValueError(f"Tasks mix discrete actions ({kind(True)}) and continuous actions ({kind(False)}); "
-                         "one run can only mix tasks of one kind")
     width = max(space.shape[0] for space in act_spaces)
     if all(discrete):
         for task, space, noop in zip(tasks, act_spaces, noops or [None] * len(tasks)):
