@@ -112,6 +112,7 @@ RANGES = {
     "dataset_size": (_at_least(1), "a whole number >= 1"),
     "batch_size": (_at_least(1), "a whole number >= 1"),
     "batch_length": (_at_least(1), "a whole number >= 1"),
+    "replay_context": (_at_least(0), "a whole number >= 0 (0 for none)"),
     "train_ratio": (_positive, "a number > 0"),
     # Below one update of tolerance the learner and the actor can wait on each other for ever.
     "ratio_tolerance": (_at_least(1), "a number >= 1 (updates)"),
@@ -152,6 +153,7 @@ RANGES = {
     "critic.slow_target_update": (_at_least(1), "a whole number >= 1"),
     "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
     "actor.min_std": (_positive, "a number > 0"),
+    "actor.absmax": (_at_least(0), "a number >= 0 (0 for unbounded samples)"),
     "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
     "dyn_min_std": (_at_least(0), "a number >= 0"),
     "actor.entropy": (_at_least(0), "a number >= 0"),
@@ -332,7 +334,7 @@ def normalise(config):
     config = copy.deepcopy(config)
     for key in ("steps", "eval_every", "eval_episode_num", "log_every", "prefill", "dataset_size",
                 "time_limit", "envs", "action_repeat", "expl_until", "pretrain", "batch_size", "batch_length",
-                "actor_sync_every"):
+                "replay_context", "actor_sync_every"):
         if isinstance(config.get(key), float):
             if not config[key].is_integer():
                 raise ConfigError(f"Invalid value '{config[key]}' for --{key}: expected a whole number")
@@ -358,6 +360,7 @@ class Dreamer(nn.Module):
         if config.update not in models.UPDATES:
             raise ValueError(f"Unknown update '{config.update}'; valid: {', '.join(models.UPDATES)}")
         self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
+        self.context = models.ReplayContext(config)
         if config.expl_behavior == "greedy":
             self.expl_behavior = None
         elif config.expl_behavior == "random":
@@ -421,13 +424,17 @@ class Dreamer(nn.Module):
         return action.cpu().numpy(), (latent, action)
 
     def train_step(self, batch):
-        """One update of every learner on a replayed batch (B, T, ...); returns tensor metrics."""
+        """One update of every learner on a replayed batch (B, K + T, ...) with K replay_context
+        steps; returns tensor metrics. With K > 0 the training posteriors replace the batch's
+        latents of the T trained steps (models.ReplayContext.store), for the write-back."""
         data = self.wm.preprocess(batch)
-        post, embed, metrics = self.updater.train_step(data)  # world model and task actor-critic
+        latent, data = self.context.split(data)  # the stored start latent; data (B, T, ...)
+        post, embed, metrics = self.updater.train_step(data, latent)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
         if self.expl_behavior is not None:
             metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
+        self.context.store(batch, post)
         return metrics
 
     def distribute(self, ranks):
@@ -476,12 +483,17 @@ class Collector:
     """Steps a list of environments together under one batched policy and records every step.
 
     Each environment's steps go to its own replay stream; finished episodes are written to
-    `directory` and their return and length reported to `on_episode`.
+    `directory` and their return and length reported to `on_episode`. With a replay `context`
+    (models.ReplayContext, replay_context > 0) each step also holds the latent the policy
+    computed on it, filled in once the policy has seen the step (zeros until then: the last step
+    of an episode keeps them).
     """
 
-    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1):
+    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1, context=None):
         self.envs, self.replay, self.directory, self.on_episode = env_list, replay, directory, on_episode
         self.action_repeat = action_repeat
+        self.context = context if context is not None and context.spec else None
+        self.newest = [None] * len(env_list)  # per environment: (step, replay id) of the step the policy sees next
         self.obs = [None] * len(env_list)
         self.episodes = [[] for _ in env_list]
         self.state = None
@@ -509,9 +521,21 @@ class Collector:
         step["action"] = np.asarray(action, np.float32)
         step["reward"] = np.float32(reward)
         step["task"] = np.int32(self.tasks[index])
+        if self.context is not None:
+            step.update({k: v[0] for k, v in self.context.entries(None, 1).items()})
         self.episodes[index].append(step)
+        stepid = None
         if self.replay is not None:
-            self.replay.add({k: v for k, v in step.items() if not k.startswith("log_")}, index)
+            stepid = self.replay.add({k: v for k, v in step.items() if not k.startswith("log_")}, index)
+        self.newest[index] = (step, stepid)
+
+    def _store_latents(self, state):
+        """Attach the latents of the policy's `state` to the steps it just acted on."""
+        entries = self.context.entries(state, len(self.envs))  # (N, ...) each
+        for i, (step, _) in enumerate(self.newest):
+            step.update({k: v[i] for k, v in entries.items()})
+        if self.replay is not None:  # one step (L = 1) from each environment's newest id
+            self.replay.update([stepid for _, stepid in self.newest], {k: v[:, None] for k, v in entries.items()})
 
     def _reset(self, indices):
         futures = [(i, self.envs[i].reset()) for i in indices]
@@ -523,6 +547,8 @@ class Collector:
         self._reset([i for i, obs in enumerate(self.obs) if obs is None])
         batch = {k: np.stack([obs[k] for obs in self.obs]) for k in self.obs[0] if not k.startswith("log_")}
         actions, self.state = policy(batch, self.state)
+        if self.context is not None:
+            self._store_latents(self.state)
         futures = [env.step(action) for env, action in zip(self.envs, actions)]  # all step at once
         done_indices = []
         for i, (future, action) in enumerate(zip(futures, actions)):
@@ -952,8 +978,8 @@ class Trainer:
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
-        self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat)
-                          if train_envs else None)
+        self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat,
+                                    agent.context) if train_envs else None)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
         self.warmed_up = set()  # names of the compiled calls made once already
@@ -970,7 +996,9 @@ class Trainer:
         replay = tools.Replay(config.dataset_size, max(1, config.envs), seed)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         loaded_steps = 0
-        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, self.episode_spec, self.skip)):
+        # Training episodes hold the policy's latents too when the replay context wants them.
+        spec = {**self.episode_spec, **self.agent.context.spec} if self.episode_spec is not None else None
+        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, spec, self.skip)):
             replay.add_episode(strip_logs(episode), i % len(replay.streams))
             loaded_steps += len(episode["reward"]) - 1
         return replay, loaded_steps
@@ -1045,11 +1073,14 @@ class Trainer:
     def update(self, count, phase=None):
         config = self.config
         # Every rank updates or none does: the updates average gradients over all of them.
-        if not count or not self.ranks.all(self.replay.ready(config.batch_length)):
+        context = self.agent.context
+        length = config.batch_length + context.steps  # the context steps only give the start latent
+        if not count or not self.ranks.all(self.replay.ready(length)):
             return
         for i in range(count):
-            batch = self.replay.sample(config.batch_size, config.batch_length)
+            batch, ids = self.replay.sample(config.batch_size, length, ids=True)
             metrics = self.announce_compilation("first update", self.agent.train_step, batch)
+            context.write_back(self.replay, ids, batch)
             self.counters.updates += 1
             if phase is not None:
                 phase.update(i + 1)

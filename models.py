@@ -140,10 +140,11 @@ class SequentialUpdate:
     def __init__(self, config, world_model, behavior):
         self.wm, self.behavior = world_model, behavior
 
-    def train_step(self, data):
-        """One update on a preprocessed batch (B, T, ...); returns the detached posterior, the
-        embedding and the metrics."""
-        post, embed, metrics = self.wm.train_step(data)
+    def train_step(self, data, start=None):
+        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see
+        ReplayContext; None: the initial state); returns the detached posterior, the embedding
+        and the metrics."""
+        post, embed, metrics = self.wm.train_step(data, start)
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
         metrics.update(self.behavior.train_step(start, data["cont"].reshape(-1), replay))
@@ -167,12 +168,12 @@ class JointUpdate:
         self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
                                    config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
 
-    def train_step(self, data):
-        """One step on a preprocessed batch (B, T, ...); returns the detached posterior, the
-        embedding and the metrics, like WorldModel.train_step."""
+    def train_step(self, data, start=None):
+        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
+        detached posterior, the embedding and the metrics, like WorldModel.train_step."""
         with autocast(self.config):
             with profiled("world_model"):
-                model_loss, post, embed, metrics = self.wm.loss(data)
+                model_loss, post, embed, metrics = self.wm.loss(data, start)
             start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
             replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
             replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
@@ -186,6 +187,68 @@ class JointUpdate:
 
 
 UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
+
+
+class ReplayContext:
+    """The replay context of the 2024 recipe (replay_context K > 0), as in the official code.
+
+    The policy's posterior latent is stored with every step it acted on (episode keys
+    `latent_deter` (D,) and `latent_stoch` (S, C), or (S,) for Gaussian latents). A sampled
+    sequence has K + batch_length steps: the first K only give the latent the world model starts
+    from (the stored one of step K - 1; the action that leads on from it is stored with step K,
+    so nothing else of the context steps is needed) and every loss, imagination start and the
+    replay value loss cover the other batch_length steps. After the update the posteriors of
+    these steps are written back over their stored latents, so that later sequences start from
+    fresher ones. A zero latent (prefill steps, the last step of an episode, episodes stored
+    without latents) is the initial state under `initial zeros`; a step marked is_first resets
+    the state anyway. K = 0 (v1): nothing is stored, sequences start from the initial state.
+    """
+
+    PREFIX = tools.LATENT
+
+    def __init__(self, config):
+        self.steps = config.replay_context
+        stoch = (config.dyn_stoch, config.dyn_discrete) if config.dyn_discrete else (config.dyn_stoch,)
+        self.spec = ({self.PREFIX + "deter": ((config.dyn_deter,), np.dtype(np.float32)),
+                      self.PREFIX + "stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
+
+    def entries(self, state, count):
+        """What to store with the `count` steps the policy just acted on: dict of (count, ...)
+        float32 arrays from its state (latent, action) as Dreamer.policy returns it; zeros for a
+        policy without a latent (the random prefill, state None)."""
+        if state is None:
+            return {k: np.zeros((count, *shape), dtype) for k, (shape, dtype) in self.spec.items()}
+        latent = state[0]
+        return {self.PREFIX + k: latent[k].detach().float().cpu().numpy() for k in ("deter", "stoch")
+                if self.PREFIX + k in self.spec}
+
+    def split(self, data):
+        """data (B, K + T, ...) as tensors -> the start latent {deter (B, D), stoch (B, S[, C])}
+        and the data of the T trained steps without the latents; K = 0: (None, data)."""
+        if not self.steps:
+            return None, data
+        start = {k: data[self.PREFIX + k][:, self.steps - 1] for k in ("deter", "stoch")}
+        rest = {k: v[:, self.steps:] for k, v in data.items() if not k.startswith(self.PREFIX)}
+        return start, rest
+
+    def store(self, batch, post):
+        """Put the training posteriors post (B, T, ...) into `batch` (numpy, B, K + T, ...) in
+        place of the latents of the trained steps."""
+        if not self.steps:
+            return
+        for key in ("deter", "stoch"):
+            name = self.PREFIX + key
+            batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
+                                          post[key].detach().float().cpu().numpy()], 1)
+
+    def write_back(self, replay, ids, batch):
+        """Write the trained steps' latents of `batch` (see store) to the replay, to the steps
+        they were computed for; ids (B, 2) are the sampled sequences' first steps (Replay.sample)."""
+        if not self.steps:
+            return
+        ids = np.array(ids)
+        ids[:, 1] += self.steps
+        replay.update(ids, {k: np.asarray(batch[k])[:, self.steps:] for k in self.spec})
 
 
 @contextlib.contextmanager
@@ -259,11 +322,13 @@ class WorldModel(nn.Module):
         flat = {k: v.reshape(-1, *v.shape[len(lead):]) for k, v in data.items()}
         return self.encoder(flat).reshape(*lead, -1)
 
-    def loss(self, data):
-        """World-model loss (Eq. 4-5) on a batch (B, T, ...); returns loss, posterior, embed, metrics."""
+    def loss(self, data, start=None):
+        """World-model loss (Eq. 4-5) on a batch (B, T, ...) filtered from the latent `start`
+        (deter (B, D), stoch (B, S[, C]); None: the initial state); returns loss, posterior,
+        embed, metrics."""
         config = self.config
         embed = self.embed(data)  # (B, T, E)
-        post, prior = self.rssm.observe(embed, data["action"], data["is_first"])
+        post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
         kl, dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free, config.dyn_scale, config.rep_scale)
         feat = self.rssm.get_feat(post)  # (B, T, F)
         losses = {}
@@ -299,10 +364,10 @@ class WorldModel(nn.Module):
             return head(feat).mean()[..., 0], 1.0
         return torch.cat([start_cont[None], head(feat[1:]).mode()[..., 0]], 0), self.config.discount
 
-    def train_step(self, data):
+    def train_step(self, data, start=None):
         """One world-model update; returns the detached posterior and embedding (B, T, ...)."""
         with profiled("world_model"), autocast(self.config):
-            loss, post, embed, metrics = self.loss(data)
+            loss, post, embed, metrics = self.loss(data, start)
             metrics.update(self.optimizer(loss))
         return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
 

@@ -200,7 +200,9 @@ class Head(nn.Module):
 
 class Actor(nn.Module):
     """Policy head. 'normal': tanh mean and std bounded in [min_std, max_std] (learned) or a fixed
-    std; 'onehot': categorical with `unimix` uniform mixture and straight-through samples."""
+    std, samples scaled back into [-absmax, absmax] (v1) or, with absmax 0, left unbounded for the
+    environment to clip (2024); 'onehot': categorical with `unimix` uniform mixture and
+    straight-through samples."""
 
     def __init__(self, inp, actions, config, act, norm):
         super().__init__()
@@ -212,6 +214,7 @@ class Actor(nn.Module):
         self.out = init_(nn.Linear(self.mlp.outdim, actions * (2 if learned else 1)), config.outscale)
         self.learned_std = learned
         self.std, self.min_std, self.max_std = config.std, config.min_std, config.max_std
+        self.absmax = config.absmax or None  # 0: samples stay unbounded and the environment clips them
         self.unimix = config.unimix_ratio
 
     def raw(self, feat):  # (..., F) -> (..., D): the parameters of the distribution, unconstrained
@@ -225,7 +228,7 @@ class Actor(nn.Module):
             std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
         else:
             mean, std = x, torch.full_like(x, float(self.std))
-        return tools.Normal(torch.tanh(mean), std, absmax=1.0)
+        return tools.Normal(torch.tanh(mean), std, absmax=self.absmax)
 
     def forward(self, feat):
         return self.dist(self.raw(feat))
@@ -670,7 +673,7 @@ class RSSM(nn.Module):
         """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
         as dicts of (B, T, ...)."""
         init = self.initial(embed.shape[0])
-        state = dict(init) if state is None else state  # a copy: a compiled obs_step guards on aliasing
+        state = dict(init if state is None else state)  # a copy: a compiled obs_step guards on aliasing
         posts, priors = [], []
         for t in range(embed.shape[1]):
             state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)

@@ -269,6 +269,23 @@ def episode_spec(obs_space, act_space):
     return spec
 
 
+LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
+
+
+def fit_latents(episode, spec):
+    """The episode with its stored policy latents (`latent_*` keys, see models.ReplayContext)
+    made to fit `spec`: latents the spec wants but the episode lacks (written by a run without
+    replay context), or holds in another shape (another model size), become zeros, which the
+    replay context reads as the initial state; latents the spec does not want are dropped."""
+    length = len(episode["reward"]) if "reward" in episode else 0
+    fitted = {k: v for k, v in episode.items() if not k.startswith(LATENT) or k in spec}
+    for key, (shape, dtype) in spec.items():
+        value = fitted.get(key)
+        if key.startswith(LATENT) and (value is None or value.shape != (length, *shape) or value.dtype != dtype):
+            fitted[key] = np.zeros((length, *shape), dtype)
+    return fitted
+
+
 def episode_problem(episode, spec):
     """Why `episode` (dict of (T, ...) arrays) does not fit `spec`, or None when it does.
 
@@ -303,7 +320,8 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
 
     A corrupt or unreadable file, and with `spec` (see `episode_spec`) an episode that does not
     fit the run's spaces, is skipped and reported to `on_skip(filename, problem)`, never fatal.
-    With `spec`, an episode without `task` gets task 0 at every step (OPTIONAL_KEYS).
+    Stored policy latents are fitted to the spec first (`fit_latents`). With `spec`, an episode
+    without `task` gets task 0 at every step (OPTIONAL_KEYS).
     """
     directory = pathlib.Path(directory)
     if not directory.exists():
@@ -315,6 +333,8 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
             with filename.open("rb") as f:
                 data = np.load(f)
                 episode = {k: data[k] for k in data.keys()}
+            if spec is not None:
+                episode = fit_latents(episode, spec)
             problem = episode_problem(episode, spec) if spec is not None else None
             if problem is None and "reward" not in episode:
                 problem = "missing key 'reward'"
@@ -357,6 +377,7 @@ class Stream:
         return min(self.count, self.capacity)
 
     def add(self, step):
+        """Append one step; returns its index among all steps ever written (its id in this stream)."""
         if not self.data:
             size = min(self.capacity, 1024)
             self.data = {k: np.empty((size, *np.shape(v)), np.asarray(v).dtype) for k, v in step.items()}
@@ -371,11 +392,25 @@ class Stream:
         for key, value in step.items():
             self.data[key][index] = value
         self.count += 1
+        return self.count - 1
 
     def indices(self, starts, length):
         """Physical indices (len(starts), length) of logical positions (0 = oldest step)."""
         offset = self.count % self.capacity if self.count > self.capacity else 0
         return (offset + starts[:, None] + np.arange(length)[None]) % self.capacity
+
+    def first(self):
+        """Id (index among all steps ever written) of the oldest step still held."""
+        return self.count - len(self)
+
+    def write(self, first, values):
+        """Overwrite the steps with ids first, first + 1, ... by values (dict of (L, ...) arrays);
+        steps no longer held (dropped for newer ones) are left out."""
+        ids = first + np.arange(len(next(iter(values.values()))))
+        held = (ids >= self.first()) & (ids < self.count)
+        phys = ids[held] % self.capacity  # a step's slot: its id modulo the capacity (see add)
+        for key, value in values.items():
+            self.data[key][phys] = np.asarray(value)[held]
 
 
 class Replay:
@@ -384,6 +419,9 @@ class Replay:
     Sequences may cross episode boundaries inside a stream; `is_first` marks where the world
     model must reset its latent state, as in the official implementation. The oldest steps are
     dropped once `capacity` steps are held in total.
+
+    Every step has an id (stream, index among the stream's steps) by which `update` rewrites it
+    (the policy's latents, the replay context's write-back, models.ReplayContext).
 
     Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
     under the lock, so a later add never changes a batch already taken).
@@ -400,8 +438,9 @@ class Replay:
             return sum(len(s) for s in self.streams)
 
     def add(self, step, stream=0):
+        """Append one step to a stream; returns its id (stream, index among the stream's steps)."""
         with self.lock:
-            self.streams[stream].add(step)
+            return stream, self.streams[stream].add(step)
 
     def add_episode(self, episode, stream=0):
         length = len(episode["reward"])
@@ -413,10 +452,19 @@ class Replay:
         with self.lock:
             return any(len(s) >= length for s in self.streams)
 
-    def sample(self, batch, length):
-        """A batch of sequences: dict of arrays (batch, length, ...)."""
+    def sample(self, batch, length, ids=False):
+        """A batch of sequences: dict of arrays (batch, length, ...); with `ids` also the id of each
+        sequence's first step, (batch, 2) int64 of (stream, index), for `update`."""
         with self.lock:
-            return self._sample(batch, length)
+            data, first = self._sample(batch, length)
+        return (data, first) if ids else data
+
+    def update(self, ids, values):
+        """Overwrite stored steps: row b of values (dict of (batch, L, ...) arrays) goes to the L
+        steps from id ids[b] (as `sample` gives them) on; steps dropped meanwhile are left out."""
+        with self.lock:
+            for row, (stream, first) in enumerate(np.asarray(ids)):
+                self.streams[stream].write(int(first), {k: v[row] for k, v in values.items()})
 
     def _sample(self, batch, length):
         starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
@@ -424,16 +472,18 @@ class Replay:
             raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
         which = self.rng.choice(len(self.streams), size=batch, p=starts / starts.sum())
         out = {}
+        first = np.stack([which, np.zeros(batch, np.int64)], 1).astype(np.int64)
         for index in np.unique(which):
             stream = self.streams[index]
             rows = np.nonzero(which == index)[0]
             start = self.rng.integers(0, starts[index], size=len(rows))
             phys = stream.indices(start, length)
+            first[rows, 1] = stream.first() + start
             for key, array in stream.data.items():
                 if key not in out:
                     out[key] = np.empty((batch, length, *array.shape[1:]), array.dtype)
                 out[key][rows] = array[phys]
-        return out
+        return out, first
 
 
 # ==================================================================================================

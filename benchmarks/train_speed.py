@@ -25,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import envs  # noqa: E402
+import models  # noqa: E402
 import tools  # noqa: E402
 
 PHASES = ("world_model", "imagination", "actor", "critic")
@@ -35,10 +36,12 @@ def fill_replay(config, steps):
     env = envs.make_env(config, "train", 0)
     replay = tools.Replay(steps, 1, config.seed)
     zero = np.zeros(env.act_space.shape, np.float32)
+    # With replay_context, the latents a policy would have stored (zeros: the initial state).
+    latents = {k: np.zeros(shape, dtype) for k, (shape, dtype) in models.ReplayContext(config).spec.items()}
     obs, action, reward = env.reset(), zero, 0.0
     for _ in range(steps):
         replay.add({**{k: v for k, v in obs.items() if not k.startswith("log_")},
-                    "action": action, "reward": np.float32(reward)})
+                    "action": action, "reward": np.float32(reward), **latents})
         action = env.act_space.sample().astype(np.float32)
         obs, reward, done, _ = env.step(action)
         if done:
@@ -90,17 +93,18 @@ def main(argv=None):
     if not args.no_malloc_tuning:
         dreamer.keep_freed_memory()
     env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
+    length = config.batch_length + config.replay_context  # the context steps only give the start latent
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)
     start = time.perf_counter()
-    batch = replay.sample(config.batch_size, config.batch_length)
+    batch = replay.sample(config.batch_size, length)
     sample_ms = 1000 * (time.perf_counter() - start)
     sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
     start = time.perf_counter()
     for _ in range(args.warmup):
-        agent.train_step(replay.sample(config.batch_size, config.batch_length))
+        agent.train_step(replay.sample(config.batch_size, length))
     sync()
     warmup_s = time.perf_counter() - start
-    batches = [replay.sample(config.batch_size, config.batch_length) for _ in range(args.updates)]
+    batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
     start = time.perf_counter()
     for batch in batches:
         metrics = agent.train_step(batch)

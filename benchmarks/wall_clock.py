@@ -41,13 +41,14 @@ SMALL = ["--dyn_hidden", "32", "--dyn_deter", "32", "--dyn_stoch", "4", "--dyn_d
          "--actor.layers", "1", "--critic.layers", "1", "--reward_head.layers", "1", "--cont_head.layers", "1"]
 COMMON = ["--device", "cpu", "--compile", "False", "--eval_episode_num", "0", "--video_pred_log", "False",
           "--pretrain", "1"]
-SETUPS = {"1": ["--envs", "1"], "4p": ["--envs", "4", "--parallel"]}
+SETUPS = {"1": ["--envs", "1"], "1p": ["--envs", "1", "--parallel"], "4p": ["--envs", "4", "--parallel"]}
 
 
-def run(task, frames, mode, setup, extra, root):
-    """One training run of `frames` frames after a prefill that gives every stream one sequence."""
+def run(task, frames, mode, setup, extra, root, threads=None):
+    """One training run of `frames` frames after a prefill that gives every stream one sequence; `threads`
+    sets OMP_NUM_THREADS, the learner's torch threads (the async actor thread always uses one)."""
     logdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{task}_{mode}_{setup}_", dir=root))
-    envs = 4 if setup == "4p" else 1
+    envs = int(setup.rstrip("p"))
     flags = [*TASKS[task], *SMALL, *COMMON, *SETUPS[setup], "--log_every", str(max(1, frames // 6)),
              "--asynchronous", str(mode == "async"), *extra]
     config = preset_values(flags)
@@ -55,7 +56,8 @@ def run(task, frames, mode, setup, extra, root):
     command = [sys.executable, str(ROOT / "dreamer.py"), *flags, "--logdir", str(logdir), "--prefill", str(prefill),
                "--steps", str(prefill + frames)]
     start = time.time()
-    result = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.time() - start
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}\n{result.stderr[-3000:]}")
@@ -100,29 +102,44 @@ def main():
     parser.add_argument("--frames", type=int, nargs="*", default=None,
                         help="frames after the prefill, per task (one value, or one per task); default FRAMES")
     parser.add_argument("--modes", default="sync,async")
-    parser.add_argument("--setups", default="1,4p")
+    parser.add_argument("--setups", default="1,4p", help=f"from {sorted(SETUPS)}")
+    parser.add_argument("--threads", default="",
+                        help="comma-separated learner thread counts (OMP_NUM_THREADS) to try per mode; "
+                             "default: torch's own")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every row this often, interleaved, and report the median (shared machines)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     tasks = args.tasks.split(",")
     frames = args.frames or [FRAMES[t] for t in tasks]
     frames = frames * len(tasks) if len(frames) == 1 else frames
+    threads = [int(t) for t in args.threads.split(",") if t] or [None]
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
-    print("| task | setup | mode | frames | wall s | async/sync | loop s | async/sync | learner busy | env busy "
+    print("| task | setup | mode | threads | frames | wall s | loop s | loop / best sync | learner busy | env busy "
           "| train ratio | env s/step | learner s/update |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="wall_clock_") as root:
         for task, budget in zip(tasks, frames):
             for setup in args.setups.split(","):
-                sync = None
-                for mode in args.modes.split(","):
-                    out = run(task, budget, mode, setup, args.extra, root)
-                    sync = out if mode == "sync" else sync
-                    ratios = [f"{out[k] / sync[k]:.2f}" if mode != "sync" and sync else "" for k in ("wall", "loop")]
-                    print(f"| {task} | {setup} | {mode} | {budget} | {out['wall']:.0f} | {ratios[0]} "
-                          f"| {out['loop']:.0f} | {ratios[1]} | {out['learner_busy']:.2f} | {out['env_busy']:.2f} "
+                rows = [(mode, n) for mode in args.modes.split(",") for n in threads]
+                outs = {row: [] for row in rows}
+                for _ in range(args.repeats):  # interleaved, so that a burst of load hits every row alike
+                    for mode, n in rows:
+                        outs[mode, n].append(run(task, budget, mode, setup, args.extra, root, n))
+                medians = {row: median_run(runs) for row, runs in outs.items()}
+                syncs = [out["loop"] for (mode, _), out in medians.items() if mode == "sync"]
+                for (mode, n), out in medians.items():
+                    ratio = f"{out['loop'] / min(syncs):.2f}" if syncs else ""
+                    print(f"| {task} | {setup} | {mode} | {n or 'torch'} | {budget} | {out['wall']:.0f} "
+                          f"| {out['loop']:.0f} | {ratio} | {out['learner_busy']:.2f} | {out['env_busy']:.2f} "
                           f"| {out['train_ratio']:.0f} "
                           f"| {out['env_s_per_step']:.4f} | {out['learner_s_per_update']:.3f} |", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def median_run(runs):
+    """The run with the median loop time (its other figures come with it)."""
+    return sorted(runs, key=lambda out: out["loop"])[len(runs) // 2]
 
 
 if __name__ == "__main__":

@@ -693,6 +693,13 @@ def test_batch_size_and_batch_length_shape_the_replayed_batch(first_updates):
     assert batch["image"].shape == (3, 7, 16, 16, 3) and batch["action"].shape == (3, 7, 1)
 
 
+def test_replay_context_adds_steps_that_carry_the_stored_latent(tmp_path, first_updates):
+    assert not any(key.startswith("latent_") for key in first_updates["seed0"]["batch"])  # 0: nothing stored
+    batch = first_update(tmp_path, "--seed", "0", "--replay_context", "2")["batch"]
+    assert {key: value.shape[:2] for key, value in batch.items()} == {key: (3, 9) for key in batch}
+    assert batch["latent_deter"].shape == (3, 9, 32) and batch["latent_stoch"].shape == (3, 9, 4, 4)
+
+
 def test_deterministic_run_turns_on_deterministic_algorithms_for_training(first_updates):
     assert first_updates["deterministic"]["deterministic"] is True
     assert first_updates["seed0"]["deterministic"] is False

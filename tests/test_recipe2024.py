@@ -476,6 +476,8 @@ def test_small_sizes_have_the_official_count_and_train_one_update(size):
     batch.update(action=rng.uniform(-1, 1, (2, 3, 6)).astype(np.float32),
                  reward=rng.normal(size=(2, 3)).astype(np.float32), is_first=np.eye(3, dtype=bool)[[0, 0]],
                  is_last=np.zeros((2, 3), bool), is_terminal=np.zeros((2, 3), bool))
+    # The latents replay_context 1 stores with each step (zeros: the initial state).
+    batch.update({k: np.zeros((2, 3, *shape), dtype) for k, (shape, dtype) in agent.context.spec.items()})
     before = [p.detach().clone() for p in agent.wm.parameters()]
     metrics = agent.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
@@ -706,6 +708,23 @@ def test_update_decides_whether_the_replay_value_loss_trains_the_world_model(upd
     assert same == (update == "sequential")
 
 
+@pytest.mark.parametrize("absmax", [1.0, 0.0])
+def test_actor_absmax_bounds_the_samples_or_leaves_them_to_the_environment(absmax):
+    agent, _ = vector_setup("--actor.absmax", str(absmax))
+    feat = torch.randn(4000, agent.wm.rssm.feat_size, generator=gen(7))
+    with torch.no_grad():
+        dist = agent.task_behavior.actor(feat)
+        torch.manual_seed(7)
+        sample = dist.sample()
+        torch.manual_seed(7)
+        raw = torch.distributions.Normal(dist.mean_, dist.dist.stddev).sample()  # written out: mean + std * noise
+    if absmax:  # v1: scaled back into the box, keeping the direction
+        np.testing.assert_allclose(to_np(sample), to_np(raw / raw.abs().clamp(min=1.0)), rtol=1e-5)
+    else:  # 2024: the sample itself; the environment clips what leaves [-1, 1]
+        np.testing.assert_allclose(to_np(sample), to_np(raw), rtol=1e-6)
+        assert (sample.abs() > 1).any()
+
+
 def test_joint_update_refuses_the_dynamics_gradient():
     with pytest.raises(ValueError, match="imag_gradient 'reinforce'"):
         vector_setup("--update", "joint", "--imag_gradient", "dynamics")
@@ -727,18 +746,20 @@ def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
     critic = config.critic
     assert (critic.repval, critic.slow_target_fraction, critic.slow_target_update) == (0.3, 0.02, 1)
     assert config.imag_gradient == "reinforce" and config.cont_head.contdisc
+    assert (config.replay_context, config.batch_length, config.actor.absmax) == (1, 64, 0.0)
     defaults = dreamer.parse(["--configs", "dmc_proprio"], presets=copy.deepcopy(PRESETS))
     assert (defaults.norm, defaults.winit, defaults.opt, defaults.update, defaults.dyn_cell) == (
         "layer", "fan_avg", "adam", "sequential", "gru")
     assert (defaults.encoder.cnn, defaults.decoder.cnn, defaults.critic.repval, defaults.cont_head.contdisc) == (
         "strided", "transposed", 0.0, False)
+    assert (defaults.replay_context, defaults.actor.absmax) == (0, 1.0)
 
 
 def test_new_keys_are_range_checked_at_start_up():
     with pytest.raises(dreamer.ConfigError, match="--dyn_blocks; valid: a whole number >= 1 that divides --dyn_deter"):
         make_config("--dyn_cell", "blockgru", "--dyn_deter", "30")
     make_config("--dyn_deter", "30")  # the GRU of v1 has no blocks to divide into
-    for key in ("--agc", "--critic.repval"):
+    for key in ("--agc", "--critic.repval", "--actor.absmax"):
         with pytest.raises(dreamer.ConfigError, match=f"Invalid value '-1.0' for {key}"):
             make_config(key, "-1.0")
     with pytest.raises(dreamer.ConfigError, match="--warmup"):

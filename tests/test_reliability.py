@@ -341,6 +341,7 @@ def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch
 
 @pytest.mark.parametrize("args, message", [
     (["--batch_length", "0"], "Invalid value '0' for --batch_length; valid: a whole number >= 1"),
+    (["--replay_context", "-1"], "Invalid value '-1' for --replay_context; valid: a whole number >= 0 (0 for none)"),
     (["--train_ratio", "0"], "Invalid value '0' for --train_ratio; valid: a number > 0"),
     (["--train_ratio", "-1"], "Invalid value '-1' for --train_ratio"),
     (["--action_repeat", "0"], "Invalid value '0' for --action_repeat"),
