@@ -320,3 +320,18 @@ def test_multitask_run_asynchronous(tmp_path):
     assert "Asynchronous: learner" in result.stdout
     assert {int(e["task"][0]) for e in stored(logdir / "train_eps")} == {0, 1}
     assert {"train/dmc_cartpole_balance/return", "train/dmc_reacher_easy/return"} <= metrics(logdir)
+
+
+def test_a_gym_observation_named_task_clashes_with_the_stored_task():
+    from envs import gym as suite
+
+    class Tasked(gymnasium.Env):
+        observation_space = gymnasium.spaces.Dict({"task": gymnasium.spaces.Box(-1, 1, (2,))})
+        action_space = gymnasium.spaces.Discrete(2)
+
+    gymnasium.register("TaskedMultitaskTest-v0", entry_point=Tasked)
+    try:
+        with pytest.raises(ValueError, match="Observation key 'task' of gym_TaskedMultitaskTest-v0 clashes"):
+            suite.Gym("TaskedMultitaskTest-v0")
+    finally:
+        gymnasium.registry.pop("TaskedMultitaskTest-v0")
