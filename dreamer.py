@@ -1657,7 +1657,8 @@ def check_tasks(config):
     for task in tasks:
         envs.check_task(task)
     config.task = ",".join(tasks)
-    if len(tasks) > 1 and not offline(flatten(config.to_dict())) and config.envs < len(tasks):
+    if (len(tasks) > 1 and not offline(flatten(config.to_dict())) and isinstance(config.envs, int)
+            and config.envs < len(tasks)):
         raise ConfigError(f"Invalid value '{config.envs}' for --envs: {len(tasks)} tasks need at least one "
                           f"training environment each; valid: a whole number >= {len(tasks)}")
     return tasks
