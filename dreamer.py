@@ -809,8 +809,8 @@ def summary(config, agent, device_note, resumed_step, ranks=None):
     per_task = collections.Counter(task_assignment(config, "train", config.envs)) if several else {}
     lines = [
         f"Task: {config.task}" + (" (training environments per task: "
-                                  + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; actions padded to "
-                                  f"{agent.act_size})" if per_task else ""),
+                                  + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
+                                  f"{agent.act_size}, the widest task's)" if per_task else ""),
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
         "Compile: " + compile_note(config, "compile" in agent.resolved),
         "Actor: " + actor_note(config, agent.resolved),

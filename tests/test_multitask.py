@@ -276,8 +276,8 @@ def test_training_and_evaluation_are_logged_per_task(run):
             for task in TASKS.split(","):
                 assert f"{scope}/{task}/{name}" in keys, f"{scope}/{task}/{name}"
     assert "eval/dmc_reacher_easy/episodes" in keys
-    assert "Task: dmc_cartpole_balance,dmc_reacher_easy (training environments per task: 2, 1; actions padded " \
-           "to 2)" in result.stdout
+    assert "Task: dmc_cartpole_balance,dmc_reacher_easy (training environments per task: 2, 1; action size 2, " \
+           "the widest task's)" in result.stdout
     assert "env 1 (dmc_reacher_easy): steps" in result.stdout  # the per-environment status names the task
 
 
