@@ -6,7 +6,9 @@
 Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames).
 Runs of the same task are seeds of one experiment and share a panel: their mean over seeds, with the
 standard deviation (or min-max) shaded. The task is `task` in RUN/config.yaml, or else the folder name
-with a trailing seed suffix (`_seed3`, `-seed3`) removed.
+with a trailing seed suffix (`_seed3`, `-seed3`) removed. A run of several tasks (`task: a,b,c`)
+adds a curve to the panel of each of its tasks, from the task's own metric (`eval/a/return` for
+--metric eval/return), drawn beside the single-task runs of that task.
 
 Aggregation follows the reference files: the frames are cut into windows (f - bin, f]; a seed's value
 at f is the mean of its points in the window; mean, std (ddof=0), min and max are then taken over the
@@ -99,6 +101,12 @@ def task_of(run, config):
     if config.get("task"):
         return str(config["task"])
     return re.sub(r"[_-]seed[_-]?\d+$", "", pathlib.Path(run).resolve().name)
+
+
+def task_metric(metric, task):
+    """A run of several tasks logs each task's metric under the task: eval/return -> eval/<task>/return."""
+    head, _, tail = metric.rpartition("/")
+    return f"{head}/{task}/{tail}" if head else f"{task}/{tail}"
 
 
 # ==================================================================================================
@@ -268,15 +276,19 @@ def format_frames(x, _=None):
 
 
 def collect(runs, metric, reference_choice, reference):
-    """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "reference": curve or None}}."""
+    """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "several": [...],
+    "reference": curve or None}}; "several" holds the task's curves from runs of several tasks."""
     groups = {}
     for run in runs:
         config = read_config(run)
-        task = task_of(run, config)
-        steps_values = series(read_metrics(run), metric, where=str(run))
-        group = groups.setdefault(task, {"seeds": [], "suites": set()})
-        group["seeds"].append(steps_values)
-        group["suites"].add(reference_suite(task, reference_choice, config))
+        tasks = [task.strip() for task in task_of(run, config).split(",")]
+        records = read_metrics(run)
+        for task in tasks:
+            name = metric if len(tasks) == 1 else task_metric(metric, task)
+            steps_values = series(records, name, where=str(run))
+            group = groups.setdefault(task, {"seeds": [], "several": [], "suites": set()})
+            group["seeds" if len(tasks) == 1 else "several"].append(steps_values)
+            group["suites"].add(reference_suite(task, reference_choice, config))
     for task, group in groups.items():
         suites = sorted(s for s in group.pop("suites") if s)
         if len(suites) > 1:
@@ -299,19 +311,23 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     lines = []
     for ax, (task, group) in zip(axes.flat, groups.items()):
-        seeds = group["seeds"]
-        width = bin_frames or choose_bin(seeds)
-        agg = aggregate(seeds, width)
-        n = len(seeds)
-        low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
-                     else (agg["min"], agg["max"]))
-        spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
-        label = f"this project: {metric} ({n} seeds, {spread_name})" if n > 1 else f"this project: {metric} (1 seed)"
-        marker = "o" if len(agg["frames"]) < 20 else None
-        ax.plot(agg["frames"], agg["mean"], color="C0", lw=1.8, marker=marker, ms=3, label=label)
-        if n > 1:
-            ax.fill_between(agg["frames"], low, high, color="C0", alpha=0.25, lw=0)
-        x_max = float(agg["frames"].max())
+        width = bin_frames or choose_bin(group["seeds"] + group["several"])
+        x_max, counts = 0.0, []
+        for seeds, color, where in ((group["seeds"], "C0", ""), (group["several"], "C2", " in runs of several tasks")):
+            if not seeds:
+                continue
+            agg = aggregate(seeds, width)
+            n = len(seeds)
+            counts.append(f"{n} seed{'s' * (n > 1)}{where}")
+            low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
+                         else (agg["min"], agg["max"]))
+            spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
+            label = f"this project{where}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
+            marker = "o" if len(agg["frames"]) < 20 else None
+            ax.plot(agg["frames"], agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
+            if n > 1:
+                ax.fill_between(agg["frames"], low, high, color=color, alpha=0.25, lw=0)
+            x_max = max(x_max, float(agg["frames"].max()))
         ref = group["reference"]
         if ref is not None:
             frames, mean, std = ref["frames"], ref["mean"], ref["std"]
@@ -325,9 +341,9 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
             note = f"reference {ref['suite']}:{ref['task']}"
         else:
             note = "no published curve"
-        lines.append(f"{task}: {n} seed{'s' * (n > 1)}, up to {format_frames(x_max)} frames, "
+        lines.append(f"{task}: {', '.join(counts)}, up to {format_frames(x_max)} frames, "
                      f"bin {format_frames(width)} frames, {note}")
-        ax.set_title(f"{task}  ({n} seed{'s' * (n > 1)}{'' if ref is not None else ', no published curve'})",
+        ax.set_title(f"{task}  ({', '.join(counts)}{'' if ref is not None else ', no published curve'})",
                      fontsize=10)
         ax.set_xlabel("environment frames (action repeat included)")
         ax.set_ylabel("episode return" if metric.endswith("/return") else metric)

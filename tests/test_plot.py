@@ -154,3 +154,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case, message):
     if case == "no_metric":
         assert "train/return" in result.stderr  # names what the run does have
     assert not (tmp_path / "out.png").exists()
+
+
+def test_run_of_several_tasks_plots_each_task_beside_single_task_runs(tmp_path):
+    several = fake_run(tmp_path / "mt", task="dmc_walker_walk,dmc_cheetah_run",
+                       metrics=("eval/return", "eval/dmc_walker_walk/return", "eval/dmc_cheetah_run/return"))
+    single = fake_run(tmp_path / "walker", task="dmc_walker_walk", seed=1)
+    groups = plot.collect([several, single], "eval/return", "auto", plot.load_reference())
+    assert list(groups) == ["dmc_walker_walk", "dmc_cheetah_run"]
+    assert len(groups["dmc_walker_walk"]["seeds"]) == 1 and len(groups["dmc_walker_walk"]["several"]) == 1
+    assert groups["dmc_cheetah_run"]["seeds"] == [] and groups["dmc_cheetah_run"]["reference"]["task"] == \
+        "dmc_cheetah_run"
+    # The multi-task run's walker curve is its eval/dmc_walker_walk/return, not the mean over tasks.
+    records = plot.read_metrics(several)
+    np.testing.assert_array_equal(groups["dmc_walker_walk"]["several"][0][1],
+                                  [r["eval/dmc_walker_walk/return"] for r in records])
+    assert plot.task_metric("train/return", "a") == "train/a/return"
+    out = tmp_path / "mt.png"
+    result = run_cli(several, single, "--output", out)
+    assert result.returncode == 0, result.stderr
+    assert_png(out)
+    assert "dmc_walker_walk: 1 seed, 1 seed in runs of several tasks, up to" in result.stdout
+    assert "dmc_cheetah_run: 1 seed in runs of several tasks, up to" in result.stdout
