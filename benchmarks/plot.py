@@ -6,7 +6,9 @@
 Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames).
 Runs of the same task are seeds of one experiment and share a panel: their mean over seeds, with the
 standard deviation (or min-max) shaded. The task is `task` in RUN/config.yaml, or else the folder name
-with a trailing seed suffix (`_seed3`, `-seed3`) removed. A run of several tasks (`task: a,b,c`)
+with a trailing seed suffix (`_seed3`, `-seed3`) removed. A RUN written NAME=PATH is a curve of its own,
+named NAME, in its task's panel: runs with the same NAME and task are its seeds (to compare two
+configurations, e.g. `v1=logdir/v1_s0 recipe2024=logdir/r24_s0`). A run of several tasks (`task: a,b,c`)
 adds a curve to the panel of each of its tasks, from the task's own metric (`eval/a/return` for
 --metric eval/return), drawn beside the single-task runs of that task.
 
@@ -277,17 +279,24 @@ def format_frames(x, _=None):
 
 def collect(runs, metric, reference_choice, reference):
     """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "several": [...],
-    "reference": curve or None}}; "several" holds the task's curves from runs of several tasks."""
+    "named": {name: [...]}, "reference": curve or None}}; "several" holds the task's curves from
+    runs of several tasks, "named" those of NAME=PATH runs."""
     groups = {}
     for run in runs:
+        named = "=" in str(run) and not pathlib.Path(run).exists()
+        label, _, path = str(run).partition("=") if named else ("", "", str(run))
+        run = pathlib.Path(path)
         config = read_config(run)
         tasks = [task.strip() for task in task_of(run, config).split(",")]
         records = read_metrics(run)
         for task in tasks:
             name = metric if len(tasks) == 1 else task_metric(metric, task)
             steps_values = series(records, name, where=str(run))
-            group = groups.setdefault(task, {"seeds": [], "several": [], "suites": set()})
-            group["seeds" if len(tasks) == 1 else "several"].append(steps_values)
+            group = groups.setdefault(task, {"seeds": [], "several": [], "named": {}, "suites": set()})
+            if label:
+                group["named"].setdefault(label, []).append(steps_values)
+            else:
+                group["seeds" if len(tasks) == 1 else "several"].append(steps_values)
             group["suites"].add(reference_suite(task, reference_choice, config))
     for task, group in groups.items():
         suites = sorted(s for s in group.pop("suites") if s)
@@ -299,7 +308,9 @@ def collect(runs, metric, reference_choice, reference):
     return groups
 
 
-def plot(groups, metric, output, spread="std", bin_frames=None):
+def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
+    """Write the figure; returns a summary line per panel (and, with `table`, one per curve with its
+    binned means, the figure's numbers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,9 +322,11 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     lines = []
     for ax, (task, group) in zip(axes.flat, groups.items()):
-        width = bin_frames or choose_bin(group["seeds"] + group["several"])
-        x_max, counts = 0.0, []
-        for seeds, color, where in ((group["seeds"], "C0", ""), (group["several"], "C2", " in runs of several tasks")):
+        curves = [(group["seeds"], "C0", ""), (group["several"], "C2", " in runs of several tasks")]
+        curves += [(seeds, f"C{3 + i}", f" {name}") for i, (name, seeds) in enumerate(group["named"].items())]
+        width = bin_frames or choose_bin([seed for seeds, _, _ in curves for seed in seeds])
+        x_max, counts, numbers = 0.0, [], []
+        for seeds, color, where in curves:
             if not seeds:
                 continue
             agg = aggregate(seeds, width)
@@ -328,6 +341,8 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
             if n > 1:
                 ax.fill_between(agg["frames"], low, high, color=color, alpha=0.25, lw=0)
             x_max = max(x_max, float(agg["frames"].max()))
+            numbers.append(f"{task}, this project{where}: " + ", ".join(
+                f"{format_frames(f)} {m:.1f}" for f, m in zip(agg["frames"], agg["mean"])))
         ref = group["reference"]
         if ref is not None:
             frames, mean, std = ref["frames"], ref["mean"], ref["std"]
@@ -343,6 +358,11 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
             note = "no published curve"
         lines.append(f"{task}: {', '.join(counts)}, up to {format_frames(x_max)} frames, "
                      f"bin {format_frames(width)} frames, {note}")
+        if table:
+            lines.extend(numbers)
+            if ref is not None:
+                lines.append(f"{task}, DreamerV3 paper: " + ", ".join(
+                    f"{format_frames(f)} {m:.1f}" for f, m in zip(ref["frames"], ref["mean"]) if f <= x_max + width))
         ax.set_title(f"{task}  ({', '.join(counts)}{'' if ref is not None else ', no published curve'})",
                      fontsize=10)
         ax.set_xlabel("environment frames (action repeat included)")
@@ -364,7 +384,8 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="*", metavar="RUN", help="logdirs with metrics.jsonl; same task = seeds")
+    parser.add_argument("runs", nargs="*", metavar="RUN",
+                        help="logdirs with metrics.jsonl (same task = seeds), or NAME=PATH for a named curve")
     parser.add_argument("--output", default="plot.png", help="PNG file to write (default plot.png)")
     parser.add_argument("--metric", default="eval/return", help="key in metrics.jsonl, e.g. eval/return, train/return")
     parser.add_argument("--reference", default="auto", choices=("auto", *SUITES),
@@ -372,6 +393,8 @@ def main(argv=None):
     parser.add_argument("--spread", default="std", choices=("std", "minmax"), help="shaded spread over seeds")
     parser.add_argument("--bin", type=float, default=None, metavar="FRAMES",
                         help="window width in frames for averaging (default: about 1/50 of the run)")
+    parser.add_argument("--table", action="store_true",
+                        help="also print every curve's binned means (frames value, ...), the figure's numbers")
     parser.add_argument("--write-reference", metavar="DIR",
                         help="rebuild benchmarks/reference_curves.json from DIR (../shared/reference) and exit")
     args = parser.parse_args(argv)
@@ -387,7 +410,7 @@ def main(argv=None):
         if args.bin is not None and args.bin <= 0:
             raise PlotError("--bin must be a positive number of frames")
         groups = collect(args.runs, args.metric, args.reference, load_reference())
-        lines = plot(groups, args.metric, args.output, args.spread, args.bin)
+        lines = plot(groups, args.metric, args.output, args.spread, args.bin, args.table)
     except (PlotError, OSError) as e:
         print(f"plot.py: error: {e}", file=sys.stderr)
         return 2
