@@ -518,11 +518,22 @@ class Collector:
         self.status_mark = (time.time(), [0] * len(env_list), self.step_costs())
         act_space = env_list[0].act_space
         self.zero_action = np.zeros(act_space.shape, np.float32)
+        # Every step records its environment's task (index into the --task list; 0 with one task).
+        # In a run of several, a task may observe keys beyond those all share (envs.common_spaces):
+        # they are dropped.
+        self.tasks = [getattr(env, "task_index", 0) for env in env_list]
+        self.dropped_keys = [getattr(env, "dropped_keys", frozenset()) for env in env_list]
+
+    def _observe(self, index, obs):
+        drop = self.dropped_keys[index]
+        self.obs[index] = {k: v for k, v in obs.items() if k not in drop} if drop else obs
+        return self.obs[index]
 
     def _record(self, index, obs, action, reward):
         step = {k: np.asarray(v) for k, v in obs.items()}
         step["action"] = np.asarray(action, np.float32)
         step["reward"] = np.float32(reward)
+        step["task"] = np.int32(self.tasks[index])
         if self.context is not None:
             step.update({k: v[0] for k, v in self.context.entries(None, 1).items()})
         self.episodes[index].append(step)
@@ -542,8 +553,7 @@ class Collector:
     def _reset(self, indices):
         futures = [(i, self.envs[i].reset()) for i in indices]
         for i, future in futures:
-            self.obs[i] = future()
-            self._record(i, self.obs[i], self.zero_action, 0.0)
+            self._record(i, self._observe(i, future()), self.zero_action, 0.0)
 
     def step(self, policy):
         """One policy step in every environment; returns the number of policy steps taken."""
@@ -553,11 +563,13 @@ class Collector:
         if self.context is not None:
             self._store_latents(self.state)
         # All step at once: the workers' requests go out before in-process environments step here.
-        futures = {i: self.envs[i].step(actions[i]) for i in sorted(range(len(self.envs)), key=self.in_process)}
+        # (`in_process` of parallel.Damy / Parallel, forwarded by the wrappers; False sorts first.)
+        order = sorted(range(len(self.envs)), key=lambda i: getattr(self.envs[i], "in_process", True))
+        futures = {i: self.envs[i].step(actions[i]) for i in order}
         done_indices = []
         for i, action in enumerate(actions):
             obs, reward, done, info = futures[i]()
-            self.obs[i] = obs
+            obs = self._observe(i, obs)
             if info.get("restarted"):  # the worker died and came back with a fresh episode
                 self.dropped += 1
                 self.episodes[i] = []
@@ -571,9 +583,6 @@ class Collector:
         for i in done_indices:
             self.obs[i] = None
         return len(self.envs)
-
-    def in_process(self, index):
-        return not isinstance(self.envs[index], parallel.Parallel)
 
     def _finish(self, index):
         steps = self.episodes[index]
@@ -606,6 +615,25 @@ class Collector:
 
 def episode_stats(episode):
     return {"return": float(episode["reward"].sum()), "length": len(episode["reward"]) - 1}
+
+
+def by_task(tasks, episodes):
+    """{task name: its episodes}, in the order of `tasks`, for the tasks that have any. An episode
+    without a `task` key (stored before runs of several tasks existed) is of the first task."""
+    groups = {}
+    for episode in episodes:
+        index = int(episode["task"][0]) if "task" in episode else 0
+        groups.setdefault(index, []).append(episode)
+    return {tasks[i]: groups[i] for i in sorted(groups)}
+
+
+def log_episode_metrics(logger, prefix, tasks, episodes):
+    """The suites' own scalars (envs.episode_metrics) of each task: <prefix>/<key> with one task,
+    <prefix>/<task>/<key> with several."""
+    for task, group in by_task(tasks, episodes).items():
+        scope = f"{prefix}/{task}" if len(tasks) > 1 else prefix
+        for key, value in envs.episode_metrics(task, group).items():
+            logger.scalar(f"{scope}/{key}", value)
 
 
 # ==================================================================================================
@@ -655,17 +683,62 @@ def keep_freed_memory():
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
-def make_envs(config, mode, count, first=0, processes=None):
-    """`first`: the index (and seed offset) of the first one; under torchrun rank k's training
-    environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed. `processes`:
-    per environment, whether it runs in a worker process (by default config.parallel for all; a
-    Resources decision may place only the expensive tasks' environments in workers)."""
-    ctors = [functools.partial(envs.make_env, config, mode, first + i) for i in range(count)]
-    processes = [bool(config.parallel)] * count if processes is None else processes
+def task_assignment(config, mode, count, weights=None):
+    """The task index of each environment: `count` training environments spread over the tasks of
+    --task (envs.assign_tasks, round-robin unless `weights`), or `count` evaluation ones of each."""
+    tasks = envs.parse_tasks(config.task)
+    if mode == "train":
+        return envs.assign_tasks(tasks, count, weights)
+    return [task for task in range(len(tasks)) for _ in range(count)]
+
+
+def make_envs(config, mode, count, first=0, weights=None, processes=None):
+    """Environments for `mode`, as many as `task_assignment` gives (`weights`: per task, see
+    envs.assign_tasks). `first`: the index (and seed offset) of the first one; under torchrun rank
+    k's training environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed.
+    `processes`: {task: whether its environments run in worker processes} (by default
+    config.parallel for all; a Resources decision may place only the expensive tasks' environments
+    in workers). With several tasks every environment is wrapped to present the spaces the tasks
+    share (envs.wrappers.TaskEnv)."""
+    tasks = envs.parse_tasks(config.task)
+    assignment = task_assignment(config, mode, count, weights)
+    ctors = [functools.partial(envs.make_env, config, mode, first + i, tasks[task])
+             for i, task in enumerate(assignment)]
+    in_worker = [bool(config.parallel) if processes is None else processes[tasks[task]] for task in assignment]
     # The asynchronous actor steps the training environments from a thread of its own.
     own_thread = config.asynchronous and mode == "train"
-    return [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") if process
-            else parallel.Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, processes))]
+    handles = [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") if process
+               else parallel.Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, in_worker))]
+    if len(tasks) == 1:
+        return handles
+    try:
+        return wrap_tasks(config, tasks, handles, assignment)
+    except BaseException:
+        for env in handles:
+            env.close()
+        raise
+
+
+def wrap_tasks(config, tasks, handles, assignment):
+    """Each environment of a run of several tasks wrapped to present the spaces they share; a
+    ConfigError names the keys or actions that do not fit (envs.common_spaces)."""
+    one = {}  # task index -> one of its environments
+    for env, task in zip(handles, assignment):
+        one.setdefault(task, env)
+    present = sorted(one)
+    obs_spaces = [one[task].obs_space for task in present]
+    used = set()  # the keys the encoder and decoder read in some task
+    for space in obs_spaces:
+        for part in (config.encoder, config.decoder):
+            used.update(*networks.select_keys(space, part.cnn_keys, part.mlp_keys))
+    noops = [envs.noop_action(tasks[task]) for task in present]
+    try:
+        obs_space, act_space = envs.common_spaces([tasks[task] for task in present], obs_spaces,
+                                                  [one[task].act_space for task in present], used, noops)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return [envs.wrappers.TaskEnv(env, task, obs_space, act_space, envs.noop_action(tasks[task]))
+            for env, task in zip(handles, assignment)]
 
 
 # ==================================================================================================
@@ -827,8 +900,7 @@ def measure_costs(config, tasks, max_threads):
     costs = {"env_ms": {}, "worker_ms": {}, "cores": available_cores(), "max_threads": max_threads}
     extra, starts = [], []
     for task in tasks:
-        task_config = Config({**config.to_dict(), "task": task})
-        measured = parallel.measure_env(functools.partial(envs.make_env, task_config, "train", 0), seed=config.seed)
+        measured = parallel.measure_env(functools.partial(envs.make_env, config, "train", 0, task), seed=config.seed)
         costs["env_ms"][task], costs["worker_ms"][task] = measured["step_ms"], measured["worker_ms"]
         extra.append(measured["extra_worker_ms"])
         starts.append(measured["worker_start_s"])
@@ -923,7 +995,7 @@ class Resources:
         reused = self.record is not None
         if not reused:
             fixed_threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else None
-            tasks = config.task.split(",")  # several with issue 15's task lists: each is measured
+            tasks = envs.parse_tasks(config.task)  # each task of a list is measured on its own
             print(f"Resources: measuring for {', '.join(self.auto)} auto: the environment in-process and in workers, "
                   "then the policy and a few updates (about a minute at full size on a CPU)", flush=True)
             costs = measure_costs(config, tasks, torch.get_num_threads())
@@ -977,16 +1049,21 @@ class Resources:
         return lines
 
     def weights(self):
-        """{task: environments} of the decision (for the task assignment), or None without one."""
-        return None if self.record is None else {t: v["envs"] for t, v in self.record["decision"]["tasks"].items()}
+        """Per task of --task, the weights that make envs.assign_tasks give each task the number of
+        environments decided (None without a decision: round-robin). assign_tasks gives every task
+        one and the rest in proportion to the weights by largest remainder, so `count - 1` (plus a
+        hair, as weights must be positive) reproduces the counts exactly."""
+        if self.record is None or "envs" not in self.auto:
+            return None
+        counts = self.record["decision"]["tasks"]
+        return [counts[task]["envs"] - 1 + 1e-6 for task in envs.parse_tasks(self.config.task)]
 
-    def processes(self, env_tasks):
-        """Per environment (its task, from the task assignment), whether it runs in a worker process;
-        None (config.parallel for all) without a decision or with --parallel given."""
+    def processes(self):
+        """{task: whether its environments run in worker processes} (for make_envs); None
+        (config.parallel for all) without a decision or with --parallel given."""
         if self.record is None or "parallel" not in self.auto:
             return None
-        placement = self.record["decision"]["tasks"]
-        return [placement[task]["processes"] for task in env_tasks]  # a task not measured is a bug: KeyError
+        return {task: placement["processes"] for task, placement in self.record["decision"]["tasks"].items()}
 
     def save(self):
         if self.record is not None:
@@ -1081,8 +1158,13 @@ def summary(config, agent, device_note, resumed_step, ranks=None):
               "critic": count(agent.task_behavior.critic)}
     if agent.expl_behavior is not None:
         params["exploration"] = count(agent.expl_behavior)
+    tasks = envs.parse_tasks(config.task)
+    several = len(tasks) > 1 and config.envs >= len(tasks)  # offline runs of several have no assignment
+    per_task = collections.Counter(task_assignment(config, "train", config.envs)) if several else {}
     lines = [
-        f"Task: {config.task}",
+        f"Task: {config.task}" + (" (training environments per task: "
+                                  + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
+                                  f"{agent.act_size}, the widest task's)" if per_task else ""),
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
         "Compile: " + compile_note(config, "compile" in agent.resolved),
         "Actor: " + actor_note(config, agent.resolved),
@@ -1227,6 +1309,7 @@ class Trainer:
             self.traindir = self.traindir / f"rank{self.ranks.rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
+        self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
         self.counters = Counters()
         self.loop = LOOPS[config.asynchronous](self)
         self.schedules = {"train": self.loop.schedule,
@@ -1538,6 +1621,11 @@ class RunLog:
         stats = episode_stats(episode)
         self.logger.scalar("train/return", stats["return"])
         self.logger.scalar("train/length", stats["length"])
+        tasks = self.trainer.tasks
+        if len(tasks) > 1:  # beside the mean over all tasks
+            task = next(iter(by_task(tasks, [episode])))
+            self.logger.scalar(f"train/{task}/return", stats["return"])
+            self.logger.scalar(f"train/{task}/length", stats["length"])
         self.progress.update(self.trainer.frames, train_return=stats["return"])
 
     def log(self):
@@ -1566,8 +1654,7 @@ class RunLog:
         if trainer.collector is not None:
             self.logger.scalar("train/dropped_episodes", trainer.collector.dropped)
             self.log_env_status()
-        for key, value in envs.episode_metrics(config.task, self.recent_episodes).items():
-            self.logger.scalar(f"train/{key}", value)
+        log_episode_metrics(self.logger, "train", trainer.tasks, self.recent_episodes)
         self.recent_episodes.clear()
         if self.films_predictions(trainer.replay):
             batch = trainer.agent.wm.preprocess(trainer.replay.sample(6, config.batch_length))
@@ -1581,12 +1668,14 @@ class RunLog:
     def log_env_status(self):
         """What each environment is doing: scalars env/<i>/..., and a line per environment when
         the progress goes to a log file."""
-        for i, row in enumerate(self.trainer.collector.status()):
+        collector, tasks = self.trainer.collector, self.trainer.tasks
+        for i, row in enumerate(collector.status()):
             for key, value in row.items():
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
             if not self.progress.interactive:
-                print(f"  env {i}: steps {row['steps']} episodes {row['episodes']} "
+                task = f" ({tasks[collector.tasks[i]]})" if len(tasks) > 1 else ""
+                print(f"  env {i}{task}: steps {row['steps']} episodes {row['episodes']} "
                       f"last return {row['last_return']:.1f} fps {row['fps']:.1f} step {row['step_ms']:.1f} ms",
                       flush=True)
 
@@ -1820,24 +1909,31 @@ def strip_logs(episode):
 
 
 def run_episodes(agent, env_list, count, directory):
-    """`count` episodes acting in mode 'eval': the task policy's sample, or its mode with
-    eval_sample False (episodes still running at the end are dropped)."""
-    finished = []
-    collector = Collector(env_list, None, directory, finished.append)
+    """`count` episodes of each task among `env_list`, acting in mode 'eval': the task policy's
+    sample, or its mode with eval_sample False (episodes still running at the end are dropped)."""
+    finished = {task: [] for task in sorted({getattr(env, "task_index", 0) for env in env_list})}
+    collector = Collector(env_list, None, directory, lambda e: finished[int(e["task"][0])].append(e))
     policy = functools.partial(agent.policy, mode="eval")
-    while len(finished) < count:
+    while any(len(episodes) < count for episodes in finished.values()):
         collector.step(policy)
-    return finished[:count]
+    return [episode for episodes in finished.values() for episode in episodes[:count]]
 
 
 def log_evaluation(logger, episodes, config):
+    """eval/return, return_std, length and episodes over all episodes; with several tasks the same
+    for each task as eval/<task>/..., and the suites' own metrics per task."""
+    tasks = envs.parse_tasks(config.task)
+    groups = {"eval": episodes}
+    if len(tasks) > 1:
+        groups.update({f"eval/{task}": group for task, group in by_task(tasks, episodes).items()})
+    for scope, group in groups.items():
+        returns = [episode_stats(e)["return"] for e in group]
+        logger.scalar(f"{scope}/return", float(np.mean(returns)))
+        logger.scalar(f"{scope}/return_std", float(np.std(returns)))
+        logger.scalar(f"{scope}/length", float(np.mean([episode_stats(e)["length"] for e in group])))
+        logger.scalar(f"{scope}/episodes", len(group))
+    log_episode_metrics(logger, "eval", tasks, episodes)
     returns = [episode_stats(e)["return"] for e in episodes]
-    logger.scalar("eval/return", float(np.mean(returns)))
-    logger.scalar("eval/return_std", float(np.std(returns)))
-    logger.scalar("eval/length", float(np.mean([episode_stats(e)["length"] for e in episodes])))
-    logger.scalar("eval/episodes", len(episodes))
-    for key, value in envs.episode_metrics(config.task, episodes).items():
-        logger.scalar(f"eval/{key}", value)
     if config.video_pred_log and "image" in episodes[0]:
         logger.video("eval/policy", episodes[0]["image"][None])
     return returns
@@ -1856,6 +1952,13 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     out.mkdir(exist_ok=True)
     result = {"frame": state["counters"]["policy_steps"] * config.action_repeat, "returns": returns,
               "mean": float(np.mean(returns)), "std": float(np.std(returns))}
+    tasks = envs.parse_tasks(config.task)
+    if len(tasks) > 1:
+        result["tasks"] = {}
+        for task, group in by_task(tasks, episodes).items():
+            task_returns = [episode_stats(e)["return"] for e in group]
+            result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
+                                     "std": float(np.std(task_returns))}
     tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
     if "image" in episodes[0]:
         write_mp4(out / "episode.mp4", episodes[0]["image"])
@@ -1902,6 +2005,20 @@ def check_logdir(logdir):
                           f"({e.strerror or e})") from None
 
 
+def check_tasks(config):
+    """--task names one task or several, comma-separated, each known to its suite; a run of several
+    needs a training environment per task. Spells config.task canonically (no spaces), as saved."""
+    tasks = envs.parse_tasks(config.task)
+    for task in tasks:
+        envs.check_task(task)
+    config.task = ",".join(tasks)
+    if (len(tasks) > 1 and not offline(flatten(config.to_dict())) and isinstance(config.envs, int)
+            and config.envs < len(tasks)):
+        raise ConfigError(f"Invalid value '{config.envs}' for --envs: {len(tasks)} tasks need at least one "
+                          f"training environment each; valid: a whole number >= {len(tasks)}")
+    return tasks
+
+
 def check_offline_traindir(config):
     if not config.offline_traindir:
         return
@@ -1917,7 +2034,7 @@ def setup(argv):
     check_processes(config)
     if not config.logdir:
         raise ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
-    envs.check_task(config.task)
+    check_tasks(config)
     logdir = pathlib.Path(config.logdir).expanduser()
     check_logdir(logdir)
     check_offline_traindir(config)
@@ -2005,10 +2122,12 @@ def run_processes(config, logdir, device_note, changed, ranks):
     try:
         resources.settle()  # --envs auto, --parallel auto: measured (or reused) before any environment is built
         if not config.offline_traindir and not config.eval_only:
-            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs,
-                                   resources.processes([config.task] * config.envs))
-        # The main process alone evaluates.
-        eval_count = min(max(config.envs, 1), config.eval_episode_num) if ranks.is_main else 0
+            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs, resources.weights(),
+                                   resources.processes())
+        # The main process alone evaluates; with several tasks, on as many environments per task
+        # as it trains on (at least one).
+        per_task = max(config.envs // len(envs.parse_tasks(config.task)), 1)
+        eval_count = min(per_task, config.eval_episode_num) if ranks.is_main else 0
         eval_envs = make_envs(config, "eval", eval_count) if eval_count else []
         if not train_envs and not eval_envs:
             raise ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")

@@ -42,6 +42,8 @@ class Damy:
     thread prefills and an actor thread then steps (dreamer.AsyncLoop) needs this.
     """
 
+    in_process = True  # it steps when asked, in the caller's process: dreamer.Collector asks it last
+
     def __init__(self, ctor, index=0, own_thread=False):
         self.index = index
         self.step_seconds, self.step_count = 0.0, 0  # time inside env.step, on whichever thread runs it
@@ -268,6 +270,8 @@ class Parallel:
     `(obs, 0.0, False, {"restarted": True})`. Otherwise, and whenever the environment raises, the
     call raises `WorkerError`, and so does every later call.
     """
+
+    in_process = False  # a request returns at once: dreamer.Collector sends these first
 
     def __init__(self, ctor, index=0, restart=True, timeout=600, shared_memory=True):
         self.index, self.restart, self.timeout, self.shared_memory = index, restart, timeout, shared_memory

@@ -255,11 +255,17 @@ def save_episode(directory, episode):
     return filename
 
 
+# Keys an episode may lack: `task` (the step's index into the run's --task list) came with runs of
+# several tasks; an episode stored before holds steps of a single task, index 0.
+OPTIONAL_KEYS = ("task",)
+
+
 def episode_spec(obs_space, act_space):
     """What every stored episode must hold: key -> (per-step shape, dtype), from the run's spaces."""
     spec = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in obs_space.items() if not k.startswith("log_")}
     spec["action"] = (tuple(act_space.shape), np.dtype(np.float32))
     spec["reward"] = ((), np.dtype(np.float32))
+    spec["task"] = ((), np.dtype(np.int32))
     return spec
 
 
@@ -288,12 +294,14 @@ def episode_problem(episode, spec):
     keys = {k for k in episode if not k.startswith("log_")}
     if keys - set(spec):
         return f"unexpected keys {sorted(keys - set(spec))}"
-    if set(spec) - keys:
-        return f"missing keys {sorted(set(spec) - keys)}"
+    if set(spec) - keys - set(OPTIONAL_KEYS):
+        return f"missing keys {sorted(set(spec) - keys - set(OPTIONAL_KEYS))}"
     lengths = {len(v) if np.ndim(v) else 0 for k, v in episode.items() if k in spec}
     if len(lengths) != 1 or 0 in lengths:
         return f"keys of different or zero lengths {sorted(lengths)}"
     for key, (shape, dtype) in spec.items():
+        if key not in episode:  # optional
+            continue
         value = episode[key]
         if value.shape[1:] != shape:
             return f"'{key}' has step shape {value.shape[1:]}, expected {shape}"
@@ -312,7 +320,8 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
 
     A corrupt or unreadable file, and with `spec` (see `episode_spec`) an episode that does not
     fit the run's spaces, is skipped and reported to `on_skip(filename, problem)`, never fatal.
-    Stored policy latents are fitted to the spec first (`fit_latents`).
+    Stored policy latents are fitted to the spec first (`fit_latents`). With `spec`, an episode
+    without `task` gets task 0 at every step (OPTIONAL_KEYS).
     """
     directory = pathlib.Path(directory)
     if not directory.exists():
@@ -338,6 +347,8 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
         if limit is not None and total + length > limit:
             break
         total += length
+        if spec is not None and "task" in spec and "task" not in episode:
+            episode["task"] = np.zeros(length, np.int32)
         episodes.append(episode)
     return episodes[::-1]
 

@@ -6,7 +6,11 @@
 Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames).
 Runs of the same task are seeds of one experiment and share a panel: their mean over seeds, with the
 standard deviation (or min-max) shaded. The task is `task` in RUN/config.yaml, or else the folder name
-with a trailing seed suffix (`_seed3`, `-seed3`) removed.
+with a trailing seed suffix (`_seed3`, `-seed3`) removed. A RUN written NAME=PATH is a curve of its own,
+named NAME, in its task's panel: runs with the same NAME and task are its seeds (to compare two
+configurations, e.g. `v1=logdir/v1_s0 recipe2024=logdir/r24_s0`). A run of several tasks (`task: a,b,c`)
+adds a curve to the panel of each of its tasks, from the task's own metric (`eval/a/return` for
+--metric eval/return), drawn beside the single-task runs of that task.
 
 Aggregation follows the reference files: the frames are cut into windows (f - bin, f]; a seed's value
 at f is the mean of its points in the window; mean, std (ddof=0), min and max are then taken over the
@@ -99,6 +103,12 @@ def task_of(run, config):
     if config.get("task"):
         return str(config["task"])
     return re.sub(r"[_-]seed[_-]?\d+$", "", pathlib.Path(run).resolve().name)
+
+
+def task_metric(metric, task):
+    """A run of several tasks logs each task's metric under the task: eval/return -> eval/<task>/return."""
+    head, _, tail = metric.rpartition("/")
+    return f"{head}/{task}/{tail}" if head else f"{task}/{tail}"
 
 
 # ==================================================================================================
@@ -268,15 +278,26 @@ def format_frames(x, _=None):
 
 
 def collect(runs, metric, reference_choice, reference):
-    """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "reference": curve or None}}."""
+    """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "several": [...],
+    "named": {name: [...]}, "reference": curve or None}}; "several" holds the task's curves from
+    runs of several tasks, "named" those of NAME=PATH runs."""
     groups = {}
     for run in runs:
+        named = "=" in str(run) and not pathlib.Path(run).exists()
+        label, _, path = str(run).partition("=") if named else ("", "", str(run))
+        run = pathlib.Path(path)
         config = read_config(run)
-        task = task_of(run, config)
-        steps_values = series(read_metrics(run), metric, where=str(run))
-        group = groups.setdefault(task, {"seeds": [], "suites": set()})
-        group["seeds"].append(steps_values)
-        group["suites"].add(reference_suite(task, reference_choice, config))
+        tasks = [task.strip() for task in task_of(run, config).split(",")]
+        records = read_metrics(run)
+        for task in tasks:
+            name = metric if len(tasks) == 1 else task_metric(metric, task)
+            steps_values = series(records, name, where=str(run))
+            group = groups.setdefault(task, {"seeds": [], "several": [], "named": {}, "suites": set()})
+            if label:
+                group["named"].setdefault(label, []).append(steps_values)
+            else:
+                group["seeds" if len(tasks) == 1 else "several"].append(steps_values)
+            group["suites"].add(reference_suite(task, reference_choice, config))
     for task, group in groups.items():
         suites = sorted(s for s in group.pop("suites") if s)
         if len(suites) > 1:
@@ -287,7 +308,9 @@ def collect(runs, metric, reference_choice, reference):
     return groups
 
 
-def plot(groups, metric, output, spread="std", bin_frames=None):
+def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
+    """Write the figure; returns a summary line per panel (and, with `table`, one per curve with its
+    binned means, the figure's numbers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,19 +322,27 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
     lines = []
     for ax, (task, group) in zip(axes.flat, groups.items()):
-        seeds = group["seeds"]
-        width = bin_frames or choose_bin(seeds)
-        agg = aggregate(seeds, width)
-        n = len(seeds)
-        low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
-                     else (agg["min"], agg["max"]))
-        spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
-        label = f"this project: {metric} ({n} seeds, {spread_name})" if n > 1 else f"this project: {metric} (1 seed)"
-        marker = "o" if len(agg["frames"]) < 20 else None
-        ax.plot(agg["frames"], agg["mean"], color="C0", lw=1.8, marker=marker, ms=3, label=label)
-        if n > 1:
-            ax.fill_between(agg["frames"], low, high, color="C0", alpha=0.25, lw=0)
-        x_max = float(agg["frames"].max())
+        curves = [(group["seeds"], "C0", ""), (group["several"], "C2", " in runs of several tasks")]
+        curves += [(seeds, f"C{3 + i}", f" {name}") for i, (name, seeds) in enumerate(group["named"].items())]
+        width = bin_frames or choose_bin([seed for seeds, _, _ in curves for seed in seeds])
+        x_max, counts, numbers = 0.0, [], []
+        for seeds, color, where in curves:
+            if not seeds:
+                continue
+            agg = aggregate(seeds, width)
+            n = len(seeds)
+            counts.append(f"{n} seed{'s' * (n > 1)}{where}")
+            low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
+                         else (agg["min"], agg["max"]))
+            spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
+            label = f"this project{where}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
+            marker = "o" if len(agg["frames"]) < 20 else None
+            ax.plot(agg["frames"], agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
+            if n > 1:
+                ax.fill_between(agg["frames"], low, high, color=color, alpha=0.25, lw=0)
+            x_max = max(x_max, float(agg["frames"].max()))
+            numbers.append(f"{task}, this project{where}: " + ", ".join(
+                f"{format_frames(f)} {m:.1f}" for f, m in zip(agg["frames"], agg["mean"])))
         ref = group["reference"]
         if ref is not None:
             frames, mean, std = ref["frames"], ref["mean"], ref["std"]
@@ -325,9 +356,14 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
             note = f"reference {ref['suite']}:{ref['task']}"
         else:
             note = "no published curve"
-        lines.append(f"{task}: {n} seed{'s' * (n > 1)}, up to {format_frames(x_max)} frames, "
+        lines.append(f"{task}: {', '.join(counts)}, up to {format_frames(x_max)} frames, "
                      f"bin {format_frames(width)} frames, {note}")
-        ax.set_title(f"{task}  ({n} seed{'s' * (n > 1)}{'' if ref is not None else ', no published curve'})",
+        if table:
+            lines.extend(numbers)
+            if ref is not None:
+                lines.append(f"{task}, DreamerV3 paper: " + ", ".join(
+                    f"{format_frames(f)} {m:.1f}" for f, m in zip(ref["frames"], ref["mean"]) if f <= x_max + width))
+        ax.set_title(f"{task}  ({', '.join(counts)}{'' if ref is not None else ', no published curve'})",
                      fontsize=10)
         ax.set_xlabel("environment frames (action repeat included)")
         ax.set_ylabel("episode return" if metric.endswith("/return") else metric)
@@ -348,7 +384,8 @@ def plot(groups, metric, output, spread="std", bin_frames=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="*", metavar="RUN", help="logdirs with metrics.jsonl; same task = seeds")
+    parser.add_argument("runs", nargs="*", metavar="RUN",
+                        help="logdirs with metrics.jsonl (same task = seeds), or NAME=PATH for a named curve")
     parser.add_argument("--output", default="plot.png", help="PNG file to write (default plot.png)")
     parser.add_argument("--metric", default="eval/return", help="key in metrics.jsonl, e.g. eval/return, train/return")
     parser.add_argument("--reference", default="auto", choices=("auto", *SUITES),
@@ -356,6 +393,8 @@ def main(argv=None):
     parser.add_argument("--spread", default="std", choices=("std", "minmax"), help="shaded spread over seeds")
     parser.add_argument("--bin", type=float, default=None, metavar="FRAMES",
                         help="window width in frames for averaging (default: about 1/50 of the run)")
+    parser.add_argument("--table", action="store_true",
+                        help="also print every curve's binned means (frames value, ...), the figure's numbers")
     parser.add_argument("--write-reference", metavar="DIR",
                         help="rebuild benchmarks/reference_curves.json from DIR (../shared/reference) and exit")
     args = parser.parse_args(argv)
@@ -371,7 +410,7 @@ def main(argv=None):
         if args.bin is not None and args.bin <= 0:
             raise PlotError("--bin must be a positive number of frames")
         groups = collect(args.runs, args.metric, args.reference, load_reference())
-        lines = plot(groups, args.metric, args.output, args.spread, args.bin)
+        lines = plot(groups, args.metric, args.output, args.spread, args.bin, args.table)
     except (PlotError, OSError) as e:
         print(f"plot.py: error: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,9 @@ ATARI100K = (
 )
 
 # Task names whose ALE ROM id is spelled differently; every ROM id is a valid task name as well.
+# ALE's NOOP is index 0 of the legal and of every minimal action set: padded actions of a run of
+# several tasks map to it (envs.common_spaces).
+NOOP_ACTION = 0
 ALIASES = {"james_bond": "jamesbond", "montezumas_revenge": "montezuma_revenge"}
 
 

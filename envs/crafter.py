@@ -11,6 +11,7 @@ import numpy as np
 
 from envs import wrappers
 
+NOOP_ACTION = 0  # Crafter's 'noop': padded actions of a run of several tasks map to it
 TASKS = ("reward", "noreward")
 LENGTH = 10000  # Crafter's standard episode length, in steps
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from envs import wrappers
 
-RESERVED = ("is_first", "is_last", "is_terminal", "reward", "action")
+RESERVED = ("is_first", "is_last", "is_terminal", "reward", "action", "task")  # task: see dreamer.Collector
 
 
 def _resolve(name):

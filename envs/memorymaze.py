@@ -18,6 +18,7 @@ import numpy as np
 from envs import wrappers
 
 # Maze size -> the package's episode length in environment steps (its time limit x 4 Hz control).
+NOOP_ACTION = 0  # Memory Maze's 'noop': padded actions of a run of several tasks map to it
 LENGTHS = {"9x9": 1000, "11x11": 2000, "13x13": 3000, "15x15": 4000}
 
 

@@ -40,6 +40,7 @@ NOOP = {"camera": (0.0, 0.0), "forward": 0, "back": 0, "left": 0, "right": 0, "j
         "attack": 0, "craft": "none", "nearbyCraft": "none", "nearbySmelt": "none", "place": "none",
         "equip": "none"}
 
+NOOP_ACTION = 0  # 'noop', the first of BASIC_ACTIONS: padded actions of a run of several tasks map to it
 BASIC_ACTIONS = {
     "noop": {},
     "attack": {"attack": 1},

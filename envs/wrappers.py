@@ -125,3 +125,34 @@ def wrap(env, config):
     else:
         env = NormalizeActions(env)
     return TimeLimit(env, int(config.time_limit // config.action_repeat) if config.time_limit else 0)
+
+
+class TaskEnv(Wrapper):
+    """One task's environment in a run of several (envs.common_spaces): it presents the run's
+    common observation and action spaces and records which task it runs (`task_index`).
+
+    The agent acts in the widest action space. A continuous environment executes the leading
+    dimensions of the action that are its own and ignores the rest; a discrete one executes its own
+    actions, and the padded ones (index >= its own count) as its suite's no-op action `noop`. Only
+    the action is changed on the way in, so this also wraps the handles of parallel.py, whose step
+    returns a callable; the Collector drops the observation keys not in the common space
+    (`dropped_keys`).
+    """
+
+    def __init__(self, env, task_index, obs_space, act_space, noop=None):
+        super().__init__(env)
+        self.task_index, self.obs_space, self.act_space = task_index, obs_space, act_space
+        self.dropped_keys = frozenset(k for k in env.obs_space if k not in obs_space and not k.startswith("log_"))
+        own = env.act_space
+        self.size = own.shape[0]
+        self.discrete = bool(getattr(own, "discrete", False))
+        self.noop = noop  # envs.common_spaces makes sure a padded discrete task has one
+
+    def step(self, action):
+        action = np.asarray(action, np.float32)
+        if not self.discrete:
+            return self.env.step(action[:self.size])
+        index = int(np.argmax(action))
+        own = np.zeros(self.size, np.float32)
+        own[index if index < self.size else self.noop] = 1.0
+        return self.env.step(own)

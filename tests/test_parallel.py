@@ -112,7 +112,7 @@ def assert_same(a, b):
 
 def observation(step):
     """A step the collector recorded, without what it added to the observation."""
-    return {k: v for k, v in step.items() if k not in ("action", "reward")}
+    return {k: v for k, v in step.items() if k not in ("action", "reward", "task")}
 
 
 def run_all(envs, actions):

@@ -154,3 +154,47 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case, message):
     if case == "no_metric":
         assert "train/return" in result.stderr  # names what the run does have
     assert not (tmp_path / "out.png").exists()
+
+
+def test_run_of_several_tasks_plots_each_task_beside_single_task_runs(tmp_path):
+    several = fake_run(tmp_path / "mt", task="dmc_walker_walk,dmc_cheetah_run",
+                       metrics=("eval/return", "eval/dmc_walker_walk/return", "eval/dmc_cheetah_run/return"))
+    single = fake_run(tmp_path / "walker", task="dmc_walker_walk", seed=1)
+    groups = plot.collect([several, single], "eval/return", "auto", plot.load_reference())
+    assert list(groups) == ["dmc_walker_walk", "dmc_cheetah_run"]
+    assert len(groups["dmc_walker_walk"]["seeds"]) == 1 and len(groups["dmc_walker_walk"]["several"]) == 1
+    assert groups["dmc_cheetah_run"]["seeds"] == [] and groups["dmc_cheetah_run"]["reference"]["task"] == \
+        "dmc_cheetah_run"
+    # The multi-task run's walker curve is its eval/dmc_walker_walk/return, not the mean over tasks.
+    records = plot.read_metrics(several)
+    np.testing.assert_array_equal(groups["dmc_walker_walk"]["several"][0][1],
+                                  [r["eval/dmc_walker_walk/return"] for r in records])
+    assert plot.task_metric("train/return", "a") == "train/a/return"
+    out = tmp_path / "mt.png"
+    result = run_cli(several, single, "--output", out)
+    assert result.returncode == 0, result.stderr
+    assert_png(out)
+    assert "dmc_walker_walk: 1 seed, 1 seed in runs of several tasks, up to" in result.stdout
+    assert "dmc_cheetah_run: 1 seed in runs of several tasks, up to" in result.stdout
+
+
+def test_named_runs_are_curves_of_their_own_and_table_prints_their_means(tmp_path):
+    """NAME=PATH runs (two configurations of one task) get a curve per name; --table prints each
+    curve's binned means, checked against a plain mean of the points in each window."""
+    a = [fake_run(tmp_path / f"a{s}", task="dmc_walker_walk", seed=s, frames=40_000, every=5_000) for s in range(2)]
+    b = fake_run(tmp_path / "b", task="dmc_walker_walk", seed=5, frames=40_000, every=5_000)
+    groups = plot.collect([f"v1={a[0]}", f"v1={a[1]}", f"new={b}"], "eval/return", "auto", plot.load_reference())
+    walker = groups["dmc_walker_walk"]
+    assert walker["seeds"] == [] and sorted(walker["named"]) == ["new", "v1"] and len(walker["named"]["v1"]) == 2
+    out = tmp_path / "named.png"
+    result = run_cli(f"v1={a[0]}", f"v1={a[1]}", f"new={b}", "--output", out, "--table", "--bin", 10_000)
+    assert result.returncode == 0, result.stderr
+    assert_png(out)
+    assert "dmc_walker_walk: 2 seeds v1, 1 seed new, up to" in result.stdout
+    values = [[json.loads(line)["eval/return"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in a]
+    # windows (0, 10K], (10K, 20K], ...: points at 5K and 10K, then 15K and 20K, ...; mean over seeds
+    expected = [np.mean([np.mean(v[2 * i:2 * i + 2]) for v in values]) for i in range(4)]
+    line = next(line for line in result.stdout.splitlines() if "this project v1:" in line)
+    assert line.split(": ", 1)[1] == ", ".join(f"{k}K {m:.1f}" for k, m in zip((10, 20, 30, 40), expected))
+    assert any(line.strip().startswith("dmc_walker_walk, DreamerV3 paper: 20K") for line in result.stdout.splitlines())

@@ -257,7 +257,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
     # run without replay context drops them.
     spec = {"x": ((), np.dtype(np.float32)), "is_first": ((), np.dtype(bool)), "is_last": ((), np.dtype(bool)),
             "is_terminal": ((), np.dtype(bool)), "action": ((1,), np.dtype(np.float32)),
-            "reward": ((), np.dtype(np.float32))}
+            "reward": ((), np.dtype(np.float32)), "task": ((), np.dtype(np.int32))}
     full = {**spec, **context_of(1).spec}
     loaded = tools.load_episodes(tmp_path, spec=full)
     assert len(loaded) == 2

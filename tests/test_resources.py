@@ -213,22 +213,35 @@ def test_resources_settle_report_save_and_reuse(tmp_path, stand_in_measurement):
     assert len(stand_in_measurement) == 2
 
 
-def test_decision_gives_task_weights_and_per_environment_placement(tmp_path, stand_in_measurement):
+def test_decision_gives_task_weights_and_placement(tmp_path, stand_in_measurement):
     resources = dreamer.Resources(make_config("--envs", "auto", "--parallel", "auto"), tmp_path)
-    assert resources.weights() is None and resources.processes(["a"]) is None  # nothing decided yet
+    assert resources.weights() is None and resources.processes() is None  # nothing decided yet
     resources.settle()
     task = "dmc_cartpole_balance"
-    assert resources.weights() == {task: 3}
-    assert resources.processes([task] * 3) == [True, True, True]
+    assert envs.assign_tasks([task], 3, resources.weights()) == [0, 0, 0]
+    assert resources.processes() == {task: True}
     explicit = dreamer.Resources(make_config("--envs", "auto", "--parallel", "False"), tmp_path / "b")
     explicit.settle()
-    assert explicit.processes([task]) is None  # --parallel given: config.parallel for every environment
+    assert explicit.processes() is None  # --parallel given: config.parallel for every environment
 
 
-def test_make_envs_places_each_environment_as_told():
-    created = dreamer.make_envs(make_config(), "train", 2, processes=[False, True])
+@pytest.mark.parametrize("counts", [[1, 3], [2, 2], [3, 1], [1, 1], [2, 5], [4, 1]])
+def test_weights_reproduce_the_decided_counts_in_the_task_assignment(counts):
+    resources = dreamer.Resources(make_config("--task", "dmc_cartpole_balance,dmc_cartpole_swingup"), pathlib.Path("."))
+    resources.record = {"decision": {"tasks": {"dmc_cartpole_balance": {"envs": counts[0]},
+                                               "dmc_cartpole_swingup": {"envs": counts[1]}}}}
+    resources.auto = ["envs"]
+    assignment = envs.assign_tasks(["a", "b"], sum(counts), resources.weights())
+    assert [assignment.count(0), assignment.count(1)] == counts
+
+
+def test_make_envs_places_each_task_as_told():
+    config = make_config("--task", "dmc_cartpole_balance,dmc_cartpole_swingup", "--envs", "2")
+    created = dreamer.make_envs(config, "train", 2, processes={"dmc_cartpole_balance": False,
+                                                               "dmc_cartpole_swingup": True})
     try:
-        assert [type(env) for env in created] == [parallel.Damy, parallel.Parallel]
+        assert [env.in_process for env in created] == [True, False]  # round-robin: balance, swingup
+        assert [type(env.env) for env in created] == [parallel.Damy, parallel.Parallel]  # inside TaskEnv
     finally:
         for env in created:
             env.close()
