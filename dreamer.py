@@ -1053,7 +1053,7 @@ class Resources:
         environments decided (None without a decision: round-robin). assign_tasks gives every task
         one and the rest in proportion to the weights by largest remainder, so `count - 1` (plus a
         hair, as weights must be positive) reproduces the counts exactly."""
-        if self.record is None or "envs" not in self.auto:
+        if self.record is None:  # with --envs given and --parallel auto the split is still the decision's
             return None
         counts = self.record["decision"]["tasks"]
         return [counts[task]["envs"] - 1 + 1e-6 for task in envs.parse_tasks(self.config.task)]

@@ -230,7 +230,6 @@ def test_weights_reproduce_the_decided_counts_in_the_task_assignment(counts):
     resources = dreamer.Resources(make_config("--task", "dmc_cartpole_balance,dmc_cartpole_swingup"), pathlib.Path("."))
     resources.record = {"decision": {"tasks": {"dmc_cartpole_balance": {"envs": counts[0]},
                                                "dmc_cartpole_swingup": {"envs": counts[1]}}}}
-    resources.auto = ["envs"]
     assignment = envs.assign_tasks(["a", "b"], sum(counts), resources.weights())
     assert [assignment.count(0), assignment.count(1)] == counts
 
@@ -242,6 +241,26 @@ def test_make_envs_places_each_task_as_told():
     try:
         assert [env.in_process for env in created] == [True, False]  # round-robin: balance, swingup
         assert [type(env.env) for env in created] == [parallel.Damy, parallel.Parallel]  # inside TaskEnv
+    finally:
+        for env in created:
+            env.close()
+
+
+def test_auto_with_several_tasks_places_only_the_expensive_one_in_workers(tmp_path, monkeypatch,
+                                                                          stand_in_measurement):
+    # Balance cheap (0.3 ms in-process, 1.5 through a worker), swingup dear (30 / 31 ms), 3 environments:
+    # as in test_expensive_tasks_get_the_worker_processes_and_the_remainder.
+    tasks = ["dmc_cartpole_balance", "dmc_cartpole_swingup"]
+    monkeypatch.setattr(dreamer, "measure_costs", lambda config, names, max_threads: costs(
+        env_ms=dict(zip(tasks, (0.3, 30.0))), worker_ms=dict(zip(tasks, (1.5, 31.0))), extra=0.2, cores=4))
+    config = make_config("--task", ",".join(tasks), "--envs", "3", "--parallel", "auto", "--steps", "1e6")
+    resources = dreamer.Resources(config, tmp_path)
+    resources.settle()
+    created = dreamer.make_envs(config, "train", config.envs, 0, resources.weights(), resources.processes())
+    try:
+        placed = sorted((tasks[env.task_index], env.in_process) for env in created)
+        assert placed == [(tasks[0], True), (tasks[1], False), (tasks[1], False)]
+        assert "2 of the environments" in "\n".join(resources.lines)
     finally:
         for env in created:
             env.close()
