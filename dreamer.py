@@ -3,11 +3,11 @@
     python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --logdir ./logdir/walker
 
 Reading order: configuration (CHOICES, RANGES, parse), the agent (Dreamer), experience collection
-(Collector), run set-up (devices, seeds, environments, saved config, start-up summary), then the
-training run: `Trainer` (replay, counters, schedules, `train()`) with its `Checkpoints` and its
-`RunLog` (logs, evaluation), and the loop that drives it (`SyncLoop` or `AsyncLoop`); then
-evaluation episodes, and the entry points `main`, `run` and `run_processes` (torchrun). Rerunning
-the same command resumes.
+(Collector), run set-up (devices, seeds, environments, `Resources` for --envs/--parallel auto,
+saved config, start-up summary), then the training run: `Trainer` (replay, counters, schedules,
+`train()`) with its `Checkpoints` and its `RunLog` (logs, evaluation), and the loop that drives it
+(`SyncLoop` or `AsyncLoop`); then evaluation episodes, and the entry points `main`, `run` and
+`run_processes` (torchrun). Rerunning the same command resumes.
 """
 
 import argparse
@@ -19,6 +19,7 @@ import datetime
 import difflib
 import functools
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -73,6 +74,7 @@ CHOICES = {
     "resize": ("opencv", "pillow"),
     "actions": ("all", "needed"),
     "env_failure": ("restart", "stop"),
+    "parallel": ("auto", True, False),
 }
 
 
@@ -96,8 +98,8 @@ _positive = lambda v, flat: v > 0  # noqa: E731
 _fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
 RANGES = {
     "steps": (_at_least(0), "a whole number >= 0"),
-    "envs": (lambda v, flat: v >= (0 if offline(flat) else 1),
-             "a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
+    "envs": (lambda v, flat: v == "auto" or (isinstance(v, int) and v >= (0 if offline(flat) else 1)),
+             "auto or a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
     "action_repeat": (_at_least(1), "a whole number >= 1"),
     "size": (lambda v, flat: len(v) == 2 and all(isinstance(x, int) and x >= 1 for x in v),
              "two whole numbers >= 1, e.g. 64,64"),
@@ -241,8 +243,10 @@ def parse_number(text, like):
     return value
 
 
-# Keys that take True/False or 'auto' (settled by resolve_auto once the device is known).
-BOOL_OR_AUTO = ("compile",)
+# Keys that take True/False or 'auto' (compile: settled by resolve_auto once the device is known;
+# parallel: by Resources, from measurement), and a count or 'auto' (envs: by Resources).
+BOOL_OR_AUTO = ("compile", "parallel")
+INT_OR_AUTO = ("envs",)
 
 
 def parse_value(text, default):
@@ -256,6 +260,13 @@ def parse_value(text, default):
         like = default[0] if default else ""
         return [parse_value(item, like) for item in items]
     return text
+
+
+def parse_count_or_auto(text):
+    try:
+        return parse_number(text, 1)
+    except ValueError:
+        raise ValueError("expected a whole number or auto") from None
 
 
 def closest(name, valid):
@@ -290,7 +301,7 @@ def parse(argv, presets=None):
             raise ConfigError(f"Unknown config key '--{key}' (closest: {closest('--' + key, valid)})")
         if value is None:
             takes_value = i + 1 < len(rest) and not rest[i + 1].startswith("--")
-            if isinstance(flat[key], bool) and not takes_value:
+            if (isinstance(flat[key], bool) or key in BOOL_OR_AUTO) and not takes_value:
                 value = "true"
             elif not takes_value:
                 raise ConfigError(f"Missing value for --{key}")
@@ -299,6 +310,8 @@ def parse(argv, presets=None):
         try:
             if key in BOOL_OR_AUTO:
                 overrides[key] = "auto" if value == "auto" else parse_bool(value)
+            elif key in INT_OR_AUTO:
+                overrides[key] = "auto" if value == "auto" else parse_count_or_auto(value)
             else:
                 overrides[key] = parse_value(value, flat[key])
         except ValueError as e:
@@ -502,7 +515,7 @@ class Collector:
         self.env_steps = [0] * len(env_list)
         self.env_episodes = [0] * len(env_list)
         self.env_returns = [float("nan")] * len(env_list)
-        self.status_mark = (time.time(), [0] * len(env_list))
+        self.status_mark = (time.time(), [0] * len(env_list), self.step_costs())
         act_space = env_list[0].act_space
         self.zero_action = np.zeros(act_space.shape, np.float32)
         # Every step records its environment's task (index into the --task list; 0 with one task).
@@ -549,10 +562,13 @@ class Collector:
         actions, self.state = policy(batch, self.state)
         if self.context is not None:
             self._store_latents(self.state)
-        futures = [env.step(action) for env, action in zip(self.envs, actions)]  # all step at once
+        # All step at once: the workers' requests go out before in-process environments step here.
+        # (`in_process` of parallel.Damy / Parallel, forwarded by the wrappers; False sorts first.)
+        order = sorted(range(len(self.envs)), key=lambda i: getattr(self.envs[i], "in_process", True))
+        futures = {i: self.envs[i].step(actions[i]) for i in order}
         done_indices = []
-        for i, (future, action) in enumerate(zip(futures, actions)):
-            obs, reward, done, info = future()
+        for i, action in enumerate(actions):
+            obs, reward, done, info = futures[i]()
             obs = self._observe(i, obs)
             if info.get("restarted"):  # the worker died and came back with a fresh episode
                 self.dropped += 1
@@ -578,14 +594,22 @@ class Collector:
         self.env_returns[index] = float(episode["reward"].sum())
         self.on_episode(episode)
 
+    def step_costs(self):
+        """(seconds inside env.step, steps) per environment, as counted where each one runs."""
+        return [(getattr(env, "step_seconds", 0.0), getattr(env, "step_count", 0)) for env in self.envs]
+
     def status(self):
-        """Per-environment steps, episodes, last return and frames per second since the last call."""
-        now, (then, marks) = time.time(), self.status_mark
+        """Per-environment steps, episodes, last return, frames per second and mean ms per step of the
+        environment itself (step_ms; NaN without steps) since the last call."""
+        now, (then, marks, costs) = time.time(), self.status_mark
         seconds = max(now - then, 1e-9)
+        current = self.step_costs()
         rows = [{"steps": steps, "episodes": episodes, "last_return": ret,
-                 "fps": (steps - mark) * self.action_repeat / seconds}
-                for steps, episodes, ret, mark in zip(self.env_steps, self.env_episodes, self.env_returns, marks)]
-        self.status_mark = (now, list(self.env_steps))
+                 "fps": (steps - mark) * self.action_repeat / seconds,
+                 "step_ms": 1e3 * (spent - spent0) / (count - count0) if count > count0 else float("nan")}
+                for steps, episodes, ret, mark, (spent, count), (spent0, count0)
+                in zip(self.env_steps, self.env_episodes, self.env_returns, marks, current, costs)]
+        self.status_mark = (now, list(self.env_steps), current)
         return rows
 
 
@@ -668,22 +692,23 @@ def task_assignment(config, mode, count, weights=None):
     return [task for task in range(len(tasks)) for _ in range(count)]
 
 
-def make_envs(config, mode, count, first=0):
-    """Environments for `mode`, as many as `task_assignment` gives. `first`: the index (and seed
-    offset) of the first one; under torchrun rank k's training environments are k * envs ...
-    (k + 1) * envs - 1, so that no two share a seed. With several tasks every environment is
-    wrapped to present the spaces the tasks share (envs.wrappers.TaskEnv)."""
+def make_envs(config, mode, count, first=0, weights=None, processes=None):
+    """Environments for `mode`, as many as `task_assignment` gives (`weights`: per task, see
+    envs.assign_tasks). `first`: the index (and seed offset) of the first one; under torchrun rank
+    k's training environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed.
+    `processes`: {task: whether its environments run in worker processes} (by default
+    config.parallel for all; a Resources decision may place only the expensive tasks' environments
+    in workers). With several tasks every environment is wrapped to present the spaces the tasks
+    share (envs.wrappers.TaskEnv)."""
     tasks = envs.parse_tasks(config.task)
-    assignment = task_assignment(config, mode, count)
+    assignment = task_assignment(config, mode, count, weights)
     ctors = [functools.partial(envs.make_env, config, mode, first + i, tasks[task])
              for i, task in enumerate(assignment)]
-    if config.parallel:
-        handles = [parallel.Parallel(ctor, i, restart=config.env_failure == "restart")
-                   for i, ctor in enumerate(ctors)]
-    else:
-        # The asynchronous actor steps the training environments from a thread of its own.
-        own_thread = config.asynchronous and mode == "train"
-        handles = [parallel.Damy(ctor, i, own_thread) for i, ctor in enumerate(ctors)]
+    in_worker = [bool(config.parallel) if processes is None else processes[tasks[task]] for task in assignment]
+    # The asynchronous actor steps the training environments from a thread of its own.
+    own_thread = config.asynchronous and mode == "train"
+    handles = [parallel.Parallel(ctor, i, restart=config.env_failure == "restart") if process
+               else parallel.Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, in_worker))]
     if len(tasks) == 1:
         return handles
     try:
@@ -714,6 +739,335 @@ def wrap_tasks(config, tasks, handles, assignment):
         raise ConfigError(str(e)) from None
     return [envs.wrappers.TaskEnv(env, task, obs_space, act_space, envs.noop_action(tasks[task]))
             for env, task in zip(handles, assignment)]
+
+
+# ==================================================================================================
+# Resources: --envs auto and --parallel auto
+# ==================================================================================================
+
+# The decision takes the fewest environments, then the fewest worker processes, whose predicted
+# throughput is within this fraction of the best: more of either costs memory and start-up time
+# and buys nothing once the learner sets the pace.
+RESOURCE_TOLERANCE = 0.03
+
+
+def at_threads(costs, key, threads):
+    """A cost measured on max_threads torch threads (`key`) and on one (`key` with _1), at `threads`:
+    Amdahl's law through the two points, t(L) = t1 * (1 - share + share / L). On a loaded machine
+    more threads can be slower (a negative share); with one point (or on a GPU), that one."""
+    at_most, at_one, most = costs[key], costs.get(key.replace("_", "_1_", 1)), costs["max_threads"]
+    if costs.get("gpu") or at_one is None or most <= 1 or at_one <= 0:
+        return at_most
+    share = min((1 - at_most / at_one) / (1 - 1 / most), 1.0)  # the part that threads divide
+    return at_one * (1 - share + share / threads)
+
+
+def collection_seconds(costs, placement, cores):
+    """Seconds for one step of every environment, the policy excluded, on `cores` cores.
+
+    placement: [(task, in a worker process)] per environment. The parent sends to every worker,
+    steps the in-process environments itself, then collects: the step lasts as long as the longest
+    of the parent's serial work, the slowest worker, and all the work spread over the cores."""
+    ms_in, ms_worker, extra = costs["env_ms"], costs["worker_ms"], costs["extra_worker_ms"]
+    workers = [task for task, process in placement if process]
+    local = [task for task, process in placement if not process]
+    serial = sum(ms_in[task] for task in local) + len(workers) * extra
+    if not workers:
+        return serial / 1e3
+    slowest = max(ms_worker[task] for task in workers) + (len(workers) - 1) * extra
+    work = (sum(ms_worker[task] for task in workers) + sum(ms_in[task] for task in local)) / max(cores, 1)
+    return max(serial, slowest, work) / 1e3
+
+
+def predict_steps_per_s(costs, placement, threads, updates_per_step, asynchronous):
+    """Policy steps per second of one candidate (`placement` as in collection_seconds, the learner on
+    `threads` torch threads) and what bounds it: 'learner' or 'environments'.
+
+    Synchronous: the environments (with the policy) and the learner take turns, each with every core,
+    so their times add. Asynchronous: they overlap, the learner on `threads` cores (one on a GPU)
+    and the environments on the rest; the limiter runs both at the slower one's pace."""
+    n, cores = len(placement), costs["cores"]
+    learn = n * updates_per_step * at_threads(costs, "update_s", threads)
+    env_cores = cores - (1 if costs.get("gpu") else threads)
+    if not asynchronous or env_cores < 1:  # with no core to spare, the two take turns anyway
+        policy = at_threads(costs, "policy_ms", threads) + at_threads(costs, "policy_extra_ms", threads) * (n - 1)
+        collect = policy / 1e3 + collection_seconds(costs, placement, cores)
+        return n / (collect + learn), "learner" if learn >= collect else "environments"
+    # The actor thread runs the policy on one torch thread (AsyncLoop.act).
+    policy = at_threads(costs, "policy_ms", 1) + at_threads(costs, "policy_extra_ms", 1) * (n - 1)
+    collect = policy / 1e3 + collection_seconds(costs, placement, env_cores)
+    return n / max(collect, learn), "learner" if learn >= collect else "environments"
+
+
+def split_envs(count, tasks, costs):
+    """Environments per task: equal shares, the remainder to the most expensive tasks first."""
+    order = sorted(tasks, key=lambda task: -costs["env_ms"][task])
+    return {task: count // len(tasks) + (order.index(task) < count % len(tasks)) for task in tasks}
+
+
+def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynchronous=False,
+                     envs=None, parallel=None, threads=None, max_envs=None, steps=None):
+    """How many environments, which tasks' environments run in worker processes, and the learner's
+    torch threads (on a CPU), for the most policy steps per second predicted from measured `costs`.
+
+    A pure function of its arguments (tests pass stand-in costs). `costs`: env_ms and worker_ms
+    {task: ms per step in-process / round trip to one worker}, extra_worker_ms (what each further
+    worker adds to a step), policy_ms (batch of one), policy_extra_ms (per further environment) and
+    update_s (one update), each on max_threads torch threads and optionally on one (policy_1_ms,
+    policy_1_extra_ms, update_1_s; see at_threads), cores, max_threads, gpu. The learner needs
+    train_ratio / (batch_size * batch_length) updates per policy step. `envs`, `parallel` and
+    `threads` given are kept. With the run's length in policy steps (`steps`), the workers' start-up
+    (worker_start_s; they start together) counts against the rate: a short run may not earn it back.
+    Among the candidates within RESOURCE_TOLERANCE of the best, the fewest
+    environments and then the fewest worker processes win. Expensive tasks get the worker processes
+    (and any remainder environment) first: a cheap task may do better in-process, where a step
+    costs no round trip.
+
+    Returns {envs, parallel (True, False or 'mixed'), threads (None on a GPU: left alone),
+    tasks: {task: {envs, processes}}, steps_per_s, bound}."""
+    updates_per_step = train_ratio / (batch_size * batch_length)
+    most = max(1, int(costs["max_threads"]))
+    if envs is not None:
+        counts = [envs]
+    else:
+        counts = range(len(tasks), max(max_envs or max(4, 2 * costs["cores"]), len(tasks)) + 1)
+    if parallel is not None:
+        flag_sets = [(parallel,) * len(tasks)]
+    elif len(tasks) > 6:  # 2^tasks placements; beyond a few tasks all or none
+        flag_sets = [(False,) * len(tasks), (True,) * len(tasks)]
+    else:
+        flag_sets = list(itertools.product((False, True), repeat=len(tasks)))
+    thread_options = [threads or most] if threads is not None or costs.get("gpu") else range(1, most + 1)
+    candidates = []
+    for count in counts:
+        per_task = split_envs(count, tasks, costs)
+        for flags in flag_sets:
+            placement = [(task, flag) for task, flag in zip(tasks, flags) for _ in range(per_task[task])]
+            for option in thread_options:
+                rate, bound = predict_steps_per_s(costs, placement, option, updates_per_step, asynchronous)
+                processes = sum(process for _, process in placement)
+                if steps and processes:
+                    rate = steps / (steps / rate + costs["worker_start_s"])
+                candidates.append((rate, bound, count, processes, option, per_task, flags))
+    best = max(c[0] for c in candidates)
+    good = [c for c in candidates if c[0] >= (1 - RESOURCE_TOLERANCE) * best]
+    # Ties (threads not measured on one) keep the threads the learner was measured on.
+    rate, bound, count, processes, option, per_task, flags = min(good, key=lambda c: (c[2], c[3], -c[0], -c[4]))
+    mode = True if all(flags) else False if not any(flags) else "mixed"
+    return {"envs": count, "parallel": mode, "threads": None if costs.get("gpu") else option,
+            "tasks": {task: {"envs": per_task[task], "processes": flag} for task, flag in zip(tasks, flags)},
+            "steps_per_s": rate, "bound": bound}
+
+
+def dummy_batch(obs_space, act_space, batch_size, batch_length, seed=0):
+    """A replayed batch (B, T, ...) of random observations and actions, for timing updates."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for key, space in obs_space.items():
+        shape = (batch_size, batch_length, *space.shape)
+        if np.dtype(space.dtype) == np.uint8:
+            data[key] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif np.dtype(space.dtype) == bool:
+            data[key] = np.zeros(shape, bool)
+        else:
+            data[key] = rng.normal(size=shape).astype(np.float32)
+    data["is_first"][:, 0] = True
+    data["action"] = np.stack([parallel.random_action(act_space, rng) for _ in range(batch_size * batch_length)])
+    data["action"] = data["action"].reshape(batch_size, batch_length, -1)
+    data["reward"] = rng.normal(size=(batch_size, batch_length)).astype(np.float32)
+    return data
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """The measurement draws random numbers; the run starts from the state it would have without it."""
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def measure_costs(config, tasks, max_threads):
+    """The costs `decide_resources` takes: each task's environment in-process and in workers
+    (parallel.measure_env), and the policy and a few updates of a fresh, uncompiled agent on a
+    dummy batch (thrown away afterwards; the run's random state is kept)."""
+    costs = {"env_ms": {}, "worker_ms": {}, "cores": available_cores(), "max_threads": max_threads}
+    extra, starts = [], []
+    for task in tasks:
+        measured = parallel.measure_env(functools.partial(envs.make_env, config, "train", 0, task), seed=config.seed)
+        costs["env_ms"][task], costs["worker_ms"][task] = measured["step_ms"], measured["worker_ms"]
+        extra.append(measured["extra_worker_ms"])
+        starts.append(measured["worker_start_s"])
+    costs["extra_worker_ms"], costs["worker_start_s"] = float(np.mean(extra)), max(starts)
+    costs["gpu"] = torch.device(config.device).type == "cuda"
+    with kept_random_state():
+        agent = Dreamer(measured["obs_space"], measured["act_space"], Config({**config.to_dict(), "compile": False}))
+        costs.update(time_agent(agent.to(config.device), measured["obs_space"], measured["act_space"], config,
+                                max_threads, costs["gpu"]))
+        del agent
+    if costs["gpu"]:
+        torch.cuda.empty_cache()
+    return costs
+
+
+def time_agent(agent, obs_space, act_space, config, max_threads, gpu):
+    """policy_ms at a batch of one, policy_extra_ms per further observation and update_s (one update,
+    after one warm-up update) on max_threads torch threads, and the same on one thread (policy_1_ms, ...)."""
+    obs = {k: np.stack([space.sample() for _ in range(4)]) for k, space in obs_space.items()}
+
+    def policy_ms(n, calls=10):
+        batch = {k: v[:n] for k, v in obs.items()}
+        agent.policy(batch, None)  # warm-up
+        start = time.perf_counter()
+        for _ in range(calls):
+            agent.policy(batch, None)
+        return 1e3 * (time.perf_counter() - start) / calls
+
+    batch = dummy_batch(obs_space, act_space, config.batch_size, config.batch_length)
+
+    def update_s(count):
+        start = time.perf_counter()
+        for _ in range(count):
+            agent.train_step(batch)
+        if gpu:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / count
+
+    # On max_threads and on one thread: which is faster depends on the model and on the machine's load
+    # (a loaded 2-core machine measured a small model's update 17x slower on 2 threads than on 1).
+    options = ((1, "_1"), (max_threads, "")) if max_threads > 1 and not gpu else ((max_threads, ""),)
+    torch.set_num_threads(options[0][0])
+    update_s(1)  # warm-up (first-call allocations), on the thread count that is likely cheaper
+    out = {}
+    for threads, tag in options:
+        torch.set_num_threads(threads)
+        out[f"policy{tag}_ms"] = policy_ms(1)
+        out[f"policy{tag}_extra_ms"] = max(0.0, (policy_ms(4) - out[f"policy{tag}_ms"]) / 3)
+        out[f"update{tag}_s"] = update_s(1)
+    torch.set_num_threads(max_threads)
+    return out
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Resources:
+    """Settles `--envs auto` and `--parallel auto` before the environments are built.
+
+    Measures what the environments and the learner cost (`measure_costs`), or reuses the decision
+    saved in the logdir's resources.json by an earlier start of the run with the same settings,
+    decides (`decide_resources`), sets the learner's torch threads on a CPU (unless OMP_NUM_THREADS
+    fixes them), and reports the costs and the decision in the start-up summary and in the logdir.
+    Explicit values win: only the keys that are 'auto' change."""
+
+    FILE = "resources.json"
+
+    def __init__(self, config, logdir):
+        self.config, self.path = config, logdir / self.FILE
+        self.auto = [key for key in ("envs", "parallel") if getattr(config, key) == "auto"]
+        self.record, self.lines = None, []
+
+    def settings(self):
+        """What the decision depends on besides the measured costs; another value re-measures."""
+        config = self.config
+        return {"task": config.task, "train_ratio": config.train_ratio, "batch_size": config.batch_size,
+                "batch_length": config.batch_length, "asynchronous": bool(config.asynchronous),
+                "device": torch.device(config.device).type, "cores": available_cores()}
+
+    def settle(self):
+        config = self.config
+        if not self.auto:
+            return
+        if offline(vars(config)):  # nothing is collected: the evaluation's one environment, in-process
+            config.envs = 1 if config.envs == "auto" else config.envs
+            config.parallel = False if config.parallel == "auto" else config.parallel
+            self.lines = ["Resources: auto: nothing to collect, 1 environment in-process"]
+            return
+        start = time.time()
+        self.record = self.load()
+        reused = self.record is not None
+        if not reused:
+            fixed_threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else None
+            tasks = envs.parse_tasks(config.task)  # each task of a list is measured on its own
+            print(f"Resources: measuring for {', '.join(self.auto)} auto: the environment in-process and in workers, "
+                  "then the policy and a few updates (about a minute at full size on a CPU)", flush=True)
+            costs = measure_costs(config, tasks, torch.get_num_threads())
+            decision = decide_resources(
+                costs, tasks, config.train_ratio, config.batch_size, config.batch_length, config.asynchronous,
+                envs=None if config.envs == "auto" else config.envs,
+                parallel=None if config.parallel == "auto" else config.parallel, threads=fixed_threads,
+                steps=max(1, (config.steps - config.prefill) // config.action_repeat))
+            self.record = {"settings": self.settings(), "costs": costs, "decision": decision,
+                           "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "measure_s": round(time.time() - start, 1)}
+        decision = self.record["decision"]
+        for key in self.auto:
+            setattr(config, key, decision[key] is True if key == "parallel" else decision[key])
+        if decision["threads"] and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(decision["threads"])
+        self.lines = self.describe(reused)
+
+    def load(self):
+        """The saved record if it was made with this run's settings; None to measure afresh."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("settings") != self.settings() or "decision" not in record:
+            return None
+        return record
+
+    def describe(self, reused):
+        config, costs, decision = self.config, self.record["costs"], self.record["decision"]
+        where = {True: "in worker processes", False: "in-process", "mixed": "some in worker processes"}
+        count = decision["threads"]
+        threads = f"learner on {count} torch thread{'s' * (count > 1)}" if count else "learner threads left alone (GPU)"
+        how = (f"reused from {self.path} (measured {self.record['measured']}; pass --envs and --parallel to choose)"
+               if reused else f"measured in {self.record['measure_s']:.0f} s")
+        updates = config.train_ratio / (config.batch_size * config.batch_length)
+        fps = decision["steps_per_s"] * config.action_repeat
+        lines = [f"Resources: {', '.join(self.auto)} auto, {how}: {decision['envs']} environment"
+                 f"{'s' * (decision['envs'] > 1)} "
+                 f"{where[decision['parallel']]}, {threads}; predicted {fps:.1f} frames/s, {decision['bound']}-bound"]
+        for task in costs["env_ms"]:
+            lines.append(f"  {task}: step {costs['env_ms'][task]:.2f} ms in-process, {costs['worker_ms'][task]:.2f} ms "
+                         f"in a worker; {decision['tasks'][task]['envs']} of the environments")
+        one = (f" ({costs['update_1_s']:.3f} s and {costs['policy_1_ms']:.2f} ms on 1)"
+               if costs.get("update_1_s") else "")
+        lines.append(f"  each further worker +{costs['extra_worker_ms']:.2f} ms per step, worker start "
+                     f"{costs['worker_start_s']:.1f} s; policy {costs['policy_ms']:.2f} ms "
+                     f"(+{costs['policy_extra_ms']:.2f} ms per environment); "
+                     f"update {costs['update_s']:.3f} s, on {costs['max_threads']} threads{one}; "
+                     f"{updates:.4g} updates per policy step; {costs['cores']} cores")
+        return lines
+
+    def weights(self):
+        """Per task of --task, the weights that make envs.assign_tasks give each task the number of
+        environments decided (None without a decision: round-robin). assign_tasks gives every task
+        one and the rest in proportion to the weights by largest remainder, so `count - 1` (plus a
+        hair, as weights must be positive) reproduces the counts exactly."""
+        if self.record is None:  # with --envs given and --parallel auto the split is still the decision's
+            return None
+        counts = self.record["decision"]["tasks"]
+        return [counts[task]["envs"] - 1 + 1e-6 for task in envs.parse_tasks(self.config.task)]
+
+    def processes(self):
+        """{task: whether its environments run in worker processes} (for make_envs); None
+        (config.parallel for all) without a decision or with --parallel given."""
+        if self.record is None or "parallel" not in self.auto:
+            return None
+        return {task: placement["processes"] for task, placement in self.record["decision"]["tasks"].items()}
+
+    def save(self):
+        if self.record is not None:
+            tools.atomic_write_bytes(self.path, json.dumps(self.record, indent=2).encode())
 
 
 def resolve_auto(config, act_space):
@@ -1322,7 +1676,8 @@ class RunLog:
             if not self.progress.interactive:
                 task = f" ({tasks[collector.tasks[i]]})" if len(tasks) > 1 else ""
                 print(f"  env {i}{task}: steps {row['steps']} episodes {row['episodes']} "
-                      f"last return {row['last_return']:.1f} fps {row['fps']:.1f}", flush=True)
+                      f"last return {row['last_return']:.1f} fps {row['fps']:.1f} step {row['step_ms']:.1f} ms",
+                      flush=True)
 
     @property
     def evaluates(self):
@@ -1730,6 +2085,9 @@ def check_processes(config):
         if getattr(config, key, None):
             raise ConfigError(f"--{key} is not supported with torchrun yet; run it as one process "
                               "(python3 dreamer.py ...)")
+    for key in ("envs", "parallel"):  # every rank must collect alike: one measurement would not do for all
+        if getattr(config, key, None) == "auto":
+            raise ConfigError(f"--{key} auto is not supported with torchrun yet; give --{key} a value")
 
 
 def run(argv):
@@ -1760,9 +2118,12 @@ def run_processes(config, logdir, device_note, changed, ranks):
     torch.set_float32_matmul_precision("high")
     keep_freed_memory()
     train_envs, eval_envs = [], []
+    resources = Resources(config, logdir)
     try:
+        resources.settle()  # --envs auto, --parallel auto: measured (or reused) before any environment is built
         if not config.offline_traindir and not config.eval_only:
-            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs)
+            train_envs = make_envs(config, "train", config.envs, ranks.rank * config.envs, resources.weights(),
+                                   resources.processes())
         # The main process alone evaluates; with several tasks, on as many environments per task
         # as it trains on (at least one).
         per_task = max(config.envs // len(envs.parse_tasks(config.task)), 1)
@@ -1789,12 +2150,15 @@ def run_processes(config, logdir, device_note, changed, ranks):
         except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks), flush=True)
+        for line in resources.lines:
+            print(line, flush=True)
         for line in trainer.notes:
             print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
         if ranks.is_main:
             save_config(config, logdir / "config.yaml")
+            resources.save()
         trainer.train()
     finally:
         for env in train_envs + eval_envs:

@@ -7,6 +7,10 @@ environment and then collects the results steps all of them at the same time.
 A worker that raises, dies or hangs surfaces as `WorkerError` (or, with restart, as a fresh episode)
 instead of a hang, and no worker outlives its parent: workers are daemons, closed by `close()`, by
 a finalizer at exit and, if the parent is killed, by themselves.
+
+Both count the seconds their environment spends in `step` where it runs (`step_seconds`,
+`step_count`), for the per-environment step cost in the logs; `measure_env` times an environment
+in-process and in workers before training, for `--envs auto` / `--parallel auto` in dreamer.py.
 """
 
 import concurrent.futures
@@ -38,8 +42,11 @@ class Damy:
     thread prefills and an actor thread then steps (dreamer.AsyncLoop) needs this.
     """
 
+    in_process = True  # it steps when asked, in the caller's process: dreamer.Collector asks it last
+
     def __init__(self, ctor, index=0, own_thread=False):
         self.index = index
+        self.step_seconds, self.step_count = 0.0, 0  # time inside env.step, on whichever thread runs it
         self._thread = concurrent.futures.ThreadPoolExecutor(1, f"env{index}") if own_thread else None
         self.env = self._call(ctor)()
 
@@ -59,7 +66,14 @@ class Damy:
         return self.env.act_space
 
     def step(self, action):
-        return self._call(self.env.step, action)
+        return self._call(self._timed_step, action)
+
+    def _timed_step(self, action):
+        start = time.perf_counter()
+        result = self.env.step(action)
+        self.step_seconds += time.perf_counter() - start
+        self.step_count += 1
+        return result
 
     def reset(self):
         return self._call(self.env.reset)
@@ -107,11 +121,12 @@ def _worker(conn, payload, parent_pid):
             if method == "attach":
                 buffers = {key: _attach(*spec) for key, spec in args.items()}
                 continue
+            start = time.perf_counter()
             result = getattr(env, method)(*args)
             if method == "reset":
                 result = _to_shared(result, buffers)
-            else:
-                result = (_to_shared(result[0], buffers), *result[1:])
+            else:  # the step's own seconds go last: the parent's wait also holds the others' steps
+                result = (_to_shared(result[0], buffers), *result[1:], time.perf_counter() - start)
             _send(conn, ("ok", result))
     except EOFError:
         pass  # the parent closed its end of the pipe
@@ -256,6 +271,8 @@ class Parallel:
     call raises `WorkerError`, and so does every later call.
     """
 
+    in_process = False  # a request returns at once: dreamer.Collector sends these first
+
     def __init__(self, ctor, index=0, restart=True, timeout=600, shared_memory=True):
         self.index, self.restart, self.timeout, self.shared_memory = index, restart, timeout, shared_memory
         self._context = multiprocessing.get_context("spawn")
@@ -267,6 +284,7 @@ class Parallel:
         self._pending = None  # the callable of the request in flight
         self._worker = _Worker(self._context, self._payload)
         self._connected = False
+        self.step_seconds, self.step_count = 0.0, 0  # time inside env.step, measured in the worker
 
     @property
     def pid(self):
@@ -388,9 +406,79 @@ class Parallel:
         raise self._failure
 
     def _unpack(self, method, result):
+        if method == "step":
+            *result, seconds = result
+            result = tuple(result)
+            self.step_seconds += seconds
+            self.step_count += 1
         obs = result if method == "reset" else result[0]
         for key, value in obs.items():
             if isinstance(value, _Shared):  # copied out: the buffer is overwritten by the next step
                 memory, shape, dtype = self._buffers[key]
                 obs[key] = np.ndarray(shape, dtype, memory.buf).copy()
         return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring an environment's cost (for --envs auto / --parallel auto)
+# --------------------------------------------------------------------------------------------------
+
+
+def random_action(act_space, rng):
+    """A uniform action: one of the one-hot vectors of a discrete space, else a point in the box."""
+    if getattr(act_space, "discrete", False):
+        action = np.zeros(act_space.shape, np.float32)
+        action[rng.integers(act_space.shape[0])] = 1.0
+        return action
+    return rng.uniform(act_space.low, act_space.high).astype(np.float32)
+
+
+def _seconds_per_step(env_list, steps, budget, rng):
+    """Wall-clock seconds per step of all of `env_list` stepping together (resets included, as in
+    training), over `steps` steps or fewer once `budget` seconds have passed; 3 untimed steps first."""
+    for env in env_list:
+        env.reset()()
+    act_space = env_list[0].act_space
+    timed, start = 0, None
+    for i in range(steps + 3):
+        if i == 3:
+            start = time.perf_counter()
+        futures = [env.step(random_action(act_space, rng)) for env in env_list]
+        for env, future in zip(env_list, futures):
+            if future()[2]:
+                env.reset()()
+        timed = i - 2
+        if start is not None and timed >= 10 and time.perf_counter() - start > budget:
+            break
+    return (time.perf_counter() - start) / max(timed, 1)
+
+
+def measure_env(ctor, steps=200, workers=2, budget=5.0, seed=0):
+    """What an environment costs, in-process and in worker processes: a dict of
+      step_ms: one step in-process (the caller's thread);
+      worker_ms: one step round trip to one worker (its step, the transfer and two wake-ups);
+      extra_worker_ms: what each further worker adds to a step of `workers` workers stepping
+        together (the parent's serial share: sending, receiving, copying out), 0 if none;
+      worker_start_s: from starting a worker until its first observation arrives;
+    and the environment's spaces, obs_space and act_space. Each timing runs `steps` steps or
+    `budget` seconds, whichever ends first."""
+    rng = np.random.default_rng(seed)
+    env = Damy(ctor)
+    try:
+        out = {"obs_space": env.obs_space, "act_space": env.act_space}
+        out["step_ms"] = 1e3 * _seconds_per_step([env], steps, budget, rng)
+    finally:
+        env.close()
+    start = time.perf_counter()
+    pool = [Parallel(ctor, i, restart=False) for i in range(max(1, workers))]
+    try:
+        pool[0].reset()()
+        out["worker_start_s"] = time.perf_counter() - start
+        one = _seconds_per_step(pool[:1], steps, budget, rng)
+        out["worker_ms"] = 1e3 * one
+        together = _seconds_per_step(pool, steps, budget, rng) if len(pool) > 1 else one
+        out["extra_worker_ms"] = 1e3 * max(0.0, together - one) / max(len(pool) - 1, 1)
+    finally:
+        for worker in pool:
+            worker.close()
+    return out

@@ -84,3 +84,25 @@ def test_distributed_benchmark_reports_frames_and_replayed_steps_per_second():
     assert lines[-1] == "scaling=1.00"
     row = [cell.strip() for cell in lines[-2].split("|")]
     assert row[0] == "1" and float(row[1]) > 0 and float(row[2]) > 0
+
+
+def test_auto_benchmark_commands_parse_and_its_rate_skips_the_start_up():
+    """benchmarks/auto.py: every command it would run is a valid dreamer.py config (auto included), and
+    frames per second are counted over the log intervals after the first."""
+    import importlib.util
+
+    import dreamer
+
+    spec = importlib.util.spec_from_file_location("bench_auto", ROOT / "benchmarks" / "auto.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    presets = dreamer.load_presets()
+    for task in bench.TASKS:
+        for envs, parallel in bench.SETTINGS:
+            words = bench.command(task, envs, parallel, "/tmp/x")
+            config = dreamer.parse(words[2:], presets=presets)
+            assert (str(config.envs), str(config.parallel)) == (envs, parallel)
+            assert (config.train_ratio, config.dyn_deter, config.steps) == (512, 32, 1000000)
+    # 100 frames at 10/s and 100 at 50/s after a first (start-up) interval: 200 frames in 12 s.
+    log = [{"step": 10, "perf/fps": 0.1}, {"step": 110, "perf/fps": 10.0}, {"step": 210, "perf/fps": 50.0}]
+    assert abs(bench.frames_per_second(log) - 200 / 12) < 1e-9
