@@ -347,7 +347,7 @@ def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch
     (["--action_repeat", "0"], "Invalid value '0' for --action_repeat"),
     (["--action_repeat", "-2"], "Invalid value '-2' for --action_repeat"),
     (["--size", "0,0"], "Invalid value '0,0' for --size; valid: two whole numbers >= 1"),
-    (["--envs", "0"], "Invalid value '0' for --envs; valid: auto or a whole number >= 1 (0 only with --offline_traindir"),
+    (["--envs", "0"], "Invalid value '0' for --envs; valid: auto or a whole number >= 1 (0 only with"),
     (["--envs", "-1"], "Invalid value '-1' for --envs"),
     (["--encoder.cnn_keys", "ima(ge"], "Invalid value 'ima(ge' for --encoder.cnn_keys; valid: a regular expression"),
     (["--decoder.mlp_keys", "*"], "Invalid value '*' for --decoder.mlp_keys"),
