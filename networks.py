@@ -265,6 +265,13 @@ def conv_stages(size, minres):
     return stages
 
 
+def conv_stage(conv, norm, act, pool=None):
+    """One encoder stage: the convolution, the optional pooling, the channel norm and the activation."""
+    norm_layer = channel_norm(norm, conv.out_channels)
+    return [conv, *([pool] if pool is not None else []), *([norm_layer] if norm_layer is not None else []),
+            ACTIVATIONS[act]()]
+
+
 class ConvEncoder(nn.Module):
     """Strided convolutions halving the resolution down to `minres`, depth doubling each stage."""
 
@@ -274,10 +281,8 @@ class ConvEncoder(nn.Module):
         layers, inp = [], channels
         for i in range(conv_stages(height, minres)):
             out = depth * 2 ** i
-            layers.append(nn.Conv2d(inp, out, kernel_size, 2, padding=(kernel_size - 1) // 2, bias=has_bias(norm)))
-            if channel_norm(norm, out) is not None:
-                layers.append(channel_norm(norm, out))
-            layers.append(ACTIVATIONS[act]())
+            conv = nn.Conv2d(inp, out, kernel_size, 2, padding=(kernel_size - 1) // 2, bias=has_bias(norm))
+            layers += conv_stage(conv, norm, act)
             inp = out
         self.net = init_(nn.Sequential(*layers))
         self.outdim = inp * minres * (width // (height // minres))
@@ -335,11 +340,8 @@ class PooledConvEncoder(nn.Module):
         height, width, channels = shape
         layers, inp = [], channels
         for out in pooled_depths(depth, conv_stages(height, minres)):
-            layers.append(nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=has_bias(norm)))
-            layers.append(nn.MaxPool2d(2))
-            if channel_norm(norm, out) is not None:
-                layers.append(channel_norm(norm, out))
-            layers.append(ACTIVATIONS[act]())
+            conv = nn.Conv2d(inp, out, kernel_size, 1, padding="same", bias=has_bias(norm))
+            layers += conv_stage(conv, norm, act, nn.MaxPool2d(2))
             inp = out
         self.net = init_(nn.Sequential(*layers))
         self.outdim = inp * minres * (width // (height // minres))
