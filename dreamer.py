@@ -1655,6 +1655,7 @@ class RunLog:
             self.logger.scalar("train/dropped_episodes", trainer.collector.dropped)
             self.log_env_status()
         log_episode_metrics(self.logger, "train", trainer.tasks, self.recent_episodes)
+        self.log_task_frames(frames)
         self.recent_episodes.clear()
         if self.films_predictions(trainer.replay):
             batch = trainer.agent.wm.preprocess(trainer.replay.sample(6, config.batch_length))
@@ -1664,6 +1665,17 @@ class RunLog:
                              env_busy=busy["env_busy"])
         self.progress.log(frames)
         self.last_log = (now, steps, counters.updates)
+
+    def log_task_frames(self, frames):
+        """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
+        read against single-task runs at the same frames per task (benchmarks/plot.py does). Exact:
+        every environment steps once per policy step, and every rank spreads its environments alike."""
+        trainer = self.trainer
+        if len(trainer.tasks) < 2 or trainer.collector is None:
+            return
+        counts = collections.Counter(trainer.collector.tasks)
+        for index, task in enumerate(trainer.tasks):
+            self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(trainer.collector.tasks))
 
     def log_env_status(self):
         """What each environment is doing: scalars env/<i>/..., and a line per environment when

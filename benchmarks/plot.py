@@ -10,7 +10,9 @@ with a trailing seed suffix (`_seed3`, `-seed3`) removed. A RUN written NAME=PAT
 named NAME, in its task's panel: runs with the same NAME and task are its seeds (to compare two
 configurations, e.g. `v1=logdir/v1_s0 recipe2024=logdir/r24_s0`). A run of several tasks (`task: a,b,c`)
 adds a curve to the panel of each of its tasks, from the task's own metric (`eval/a/return` for
---metric eval/return), drawn beside the single-task runs of that task.
+--metric eval/return), drawn beside the single-task runs of that task and on that task's own frames (its
+logged `train/<task>/frames`; runs that predate it: its round-robin share of `envs`), so that the curves
+compare runs at the same frames per task.
 
 Aggregation follows the reference files: the frames are cut into windows (f - bin, f]; a seed's value
 at f is the mean of its points in the window; mean, std (ddof=0), min and max are then taken over the
@@ -103,6 +105,20 @@ def task_of(run, config):
     if config.get("task"):
         return str(config["task"])
     return re.sub(r"[_-]seed[_-]?\d+$", "", pathlib.Path(run).resolve().name)
+
+
+def task_share(records, tasks, task, config):
+    """The fraction of a run of several tasks' frames that were `task`'s: the last logged
+    train/<task>/frames over its step, else the task's round-robin share of the config's envs."""
+    key = f"train/{task}/frames"
+    logged = [(float(r["step"]), float(r[key])) for r in records if key in r and r["step"] > 0]
+    if logged:
+        step, frames = logged[-1]
+        return frames / step
+    envs, index = config.get("envs"), tasks.index(task)
+    if isinstance(envs, int) and envs >= len(tasks):
+        return sum(1 for i in range(envs) if i % len(tasks) == index) / envs
+    return 1 / len(tasks)
 
 
 def task_metric(metric, task):
@@ -291,7 +307,9 @@ def collect(runs, metric, reference_choice, reference):
         records = read_metrics(run)
         for task in tasks:
             name = metric if len(tasks) == 1 else task_metric(metric, task)
-            steps_values = series(records, name, where=str(run))
+            steps, values = series(records, name, where=str(run))
+            steps_values = (steps, values) if len(tasks) == 1 else (steps * task_share(records, tasks, task, config),
+                                                                    values)
             group = groups.setdefault(task, {"seeds": [], "several": [], "named": {}, "suites": set()})
             if label:
                 group["named"].setdefault(label, []).append(steps_values)

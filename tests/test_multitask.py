@@ -281,6 +281,18 @@ def test_training_and_evaluation_are_logged_per_task(run):
     assert "env 1 (dmc_reacher_easy): steps" in result.stdout  # the per-environment status names the task
 
 
+def test_each_task_logs_its_share_of_the_frames(run):
+    """train/<task>/frames: two of the three environments run cartpole, so it has 2/3 of each
+    logged step's frames and reacher 1/3 (the environments step together)."""
+    logdir, _ = run
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "train/dmc_cartpole_balance/frames" in row]
+    assert logged
+    for row in logged:
+        assert row["train/dmc_cartpole_balance/frames"] == pytest.approx(row["step"] * 2 / 3)
+        assert row["train/dmc_reacher_easy/frames"] == pytest.approx(row["step"] / 3)
+
+
 def test_every_stored_step_records_its_task_and_acts_in_the_widest_space(run):
     logdir, _ = run
     train_eps, eval_eps = stored(logdir / "train_eps"), stored(logdir / "eval_eps")

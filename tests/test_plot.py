@@ -198,3 +198,28 @@ def test_named_runs_are_curves_of_their_own_and_table_prints_their_means(tmp_pat
     line = next(line for line in result.stdout.splitlines() if "this project v1:" in line)
     assert line.split(": ", 1)[1] == ", ".join(f"{k}K {m:.1f}" for k, m in zip((10, 20, 30, 40), expected))
     assert any(line.strip().startswith("dmc_walker_walk, DreamerV3 paper: 20K") for line in result.stdout.splitlines())
+
+
+def test_runs_of_several_tasks_are_drawn_on_each_task_s_own_frames(tmp_path):
+    """A task's curve in a run of several tasks is at its frames: the logged train/<task>/frames
+    share of the step, or, in runs without it, the task's round-robin share of envs."""
+    tasks = "dmc_walker_walk,dmc_cheetah_run"
+    logged = fake_run(tmp_path / "logged", task=tasks, metrics=("train/dmc_walker_walk/return",
+                                                                   "train/dmc_cheetah_run/return"))
+    rows = [json.loads(line) for line in (logged / "metrics.jsonl").read_text().splitlines()]
+    with (logged / "metrics.jsonl").open("w") as f:  # 3 of 4 environments walker, 1 cheetah
+        for row in rows:
+            row.update({"train/dmc_walker_walk/frames": 0.75 * row["step"], "train/dmc_cheetah_run/frames":
+                        0.25 * row["step"]})
+            f.write(json.dumps(row) + "\n")
+    older = fake_run(tmp_path / "older", task=tasks, metrics=("train/dmc_walker_walk/return",
+                                                                 "train/dmc_cheetah_run/return"))
+    (older / "config.yaml").write_text(f"task: {tasks}\nenvs: 5\n")  # round-robin: walker 3 of 5
+    steps = np.arange(10_000, 100_001, 10_000, dtype=float)
+    for run, walker, cheetah in ((logged, 0.75, 0.25), (older, 0.6, 0.4)):
+        groups = plot.collect([run], "train/return", "auto", plot.load_reference())
+        np.testing.assert_allclose(groups["dmc_walker_walk"]["several"][0][0], steps * walker)
+        np.testing.assert_allclose(groups["dmc_cheetah_run"]["several"][0][0], steps * cheetah)
+    single = fake_run(tmp_path / "single", task="dmc_walker_walk")
+    groups = plot.collect([single], "train/return", "auto", plot.load_reference())
+    np.testing.assert_array_equal(groups["dmc_walker_walk"]["seeds"][0][0], steps)  # one task: frames as logged
