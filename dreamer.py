@@ -1291,10 +1291,46 @@ class Phase:
             print(message, flush=True)
 
 
+class StoredEpisodes:
+    """A run's episode folders and what is loaded from them at the start: the training replay (from
+    traindir, or offline_traindir) and the evaluation replay (evaldir, or offline_evaldir, which
+    eval_openl samples). Files that do not fit the run's spaces (those of `env`; without one they
+    are taken on trust) are skipped with a warning and counted in `note`."""
+
+    def __init__(self, config, logdir, rank, env, context_spec):
+        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
+        if rank:  # rank 0 keeps the single-process folder, so its runs resume alike
+            self.traindir = self.traindir / f"rank{rank}"
+        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
+        self.skipped = 0
+        spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
+        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
+        # is the evaluation replay's).
+        self.replay = tools.Replay(config.dataset_size, max(1, config.envs),
+                                   config.seed + (1 + 1000 * rank if rank else 0))
+        source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
+        # Training episodes hold the policy's latents too when the replay context wants them.
+        train_spec = {**spec, **context_spec} if spec is not None else None
+        loaded_steps = 0
+        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, train_spec, self.skip)):
+            self.replay.add_episode(strip_logs(episode), i % len(self.replay.streams))
+            loaded_steps += len(episode["reward"]) - 1
+        self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
+        source = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
+        for episode in tools.load_episodes(source, 100 * config.batch_length, spec, self.skip):
+            self.eval_replay.add_episode(strip_logs(episode))
+        self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
+
+    def skip(self, filename, problem):
+        tools.skip_warning(filename, problem)
+        self.skipped += 1
+
+
 class Trainer:
     """Owns a run's replay, counters and schedules; `train()` is the main loop.
 
-    Its checkpoint (`Checkpoints`) and its logs and evaluation (`RunLog`) are components of their own.
+    Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`) and logs and evaluation (`RunLog`)
+    are components of their own.
     Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
     own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
     schedules are the same on all of them, so that each makes the same updates. The main process
@@ -1304,27 +1340,17 @@ class Trainer:
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
         self.ranks = ranks or tools.SingleProcess()
-        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
-        if self.ranks.rank:  # rank 0 keeps the single-process folder, so its runs resume alike
-            self.traindir = self.traindir / f"rank{self.ranks.rank}"
-        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
         self.counters = Counters()
         self.loop = LOOPS[config.asynchronous](self)
         self.schedules = {"train": self.loop.schedule,
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
-        # Stored episodes must fit the run's spaces (a Trainer without environments takes them on trust).
-        env = (train_envs or eval_envs or [None])[0]
-        self.episode_spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
-        self.notes = []  # lines for the start-up summary
-        self.skipped = 0
-        self.replay, loaded_steps = self.load_replay()
-        self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
-        evaldir = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
-        for episode in tools.load_episodes(evaldir, 100 * config.batch_length, self.episode_spec, self.skip):
-            self.eval_replay.add_episode(strip_logs(episode))
-        self.notes.insert(0, f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped")
+        env = (train_envs or eval_envs or [None])[0]  # without one, stored episodes are taken on trust
+        stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env else {})
+        self.traindir, self.evaldir = stored.traindir, stored.evaldir
+        self.replay, self.eval_replay = stored.replay, stored.eval_replay
+        self.notes = [stored.note]  # lines for the start-up summary
         self.checkpoints = Checkpoints(self, logdir / "latest.pt")
         self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
@@ -1341,25 +1367,6 @@ class Trainer:
     @property
     def frames(self):
         return self.counters.policy_steps * self.config.action_repeat
-
-    def load_replay(self):
-        config = self.config
-        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
-        # is the evaluation replay's).
-        seed = config.seed + (1 + 1000 * self.ranks.rank if self.ranks.rank else 0)
-        replay = tools.Replay(config.dataset_size, max(1, config.envs), seed)
-        source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
-        loaded_steps = 0
-        # Training episodes hold the policy's latents too when the replay context wants them.
-        spec = {**self.episode_spec, **self.agent.context.spec} if self.episode_spec is not None else None
-        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, spec, self.skip)):
-            replay.add_episode(strip_logs(episode), i % len(replay.streams))
-            loaded_steps += len(episode["reward"]) - 1
-        return replay, loaded_steps
-
-    def skip(self, filename, problem):
-        tools.skip_warning(filename, problem)
-        self.skipped += 1
 
     # -- the components' entry points, for the loops, `main` and tests ------------------------------
 
