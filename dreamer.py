@@ -1149,8 +1149,9 @@ def actor_note(config, resolved):
     return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
 
 
-def summary(config, agent, device_note, resumed_step, ranks=None):
-    """The start-up summary: what runs where, what differs from defaults, how big the model is."""
+def summary(config, agent, device_note, resumed_step, ranks=None, weights=None):
+    """The start-up summary: what runs where, what differs from defaults, how big the model is.
+    `weights`: the task weights the training environments were made with (Resources.weights())."""
     defaults = flatten(load_presets()["defaults"])
     changed = {k: v for k, v in flatten(config.to_dict()).items() if defaults.get(k) != v and k not in agent.resolved}
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -1160,7 +1161,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None):
         params["exploration"] = count(agent.expl_behavior)
     tasks = envs.parse_tasks(config.task)
     several = len(tasks) > 1 and config.envs >= len(tasks)  # offline runs of several have no assignment
-    per_task = collections.Counter(task_assignment(config, "train", config.envs)) if several else {}
+    per_task = collections.Counter(task_assignment(config, "train", config.envs, weights)) if several else {}
     lines = [
         f"Task: {config.task}" + (" (training environments per task: "
                                   + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
@@ -2168,7 +2169,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
-        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks), flush=True)
+        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
+                      resources.weights()), flush=True)
         for line in resources.lines:
             print(line, flush=True)
         for line in trainer.notes:

@@ -266,6 +266,18 @@ def test_auto_with_several_tasks_places_only_the_expensive_one_in_workers(tmp_pa
             env.close()
 
 
+def test_start_up_summary_counts_the_environments_the_decision_gave_each_task(tmp_path, capsys, monkeypatch,
+                                                                             stand_in_measurement):
+    # As above: swingup, the dear task, gets the remainder environment (round-robin would give it 1 of 3).
+    tasks = ["dmc_cartpole_balance", "dmc_cartpole_swingup"]
+    monkeypatch.setattr(dreamer, "measure_costs", lambda config, names, max_threads: costs(
+        env_ms=dict(zip(tasks, (0.3, 30.0))), worker_ms=dict(zip(tasks, (31.0, 31.0))), extra=0.2, cores=4))
+    dreamer.main([*SHORT, "--task", ",".join(tasks), "--envs", "3", "--parallel", "auto", "--logdir",
+                  str(tmp_path / "run"), "--steps", "12", "--prefill", "6", "--pretrain", "0"])
+    out = capsys.readouterr().out
+    assert "training environments per task: 1, 2;" in out
+
+
 def test_explicit_values_skip_the_measurement(tmp_path, stand_in_measurement):
     resources = dreamer.Resources(make_config("--envs", "3"), tmp_path)
     resources.settle()
