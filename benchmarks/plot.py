@@ -383,7 +383,7 @@ def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
                     f"{format_frames(f)} {m:.1f}" for f, m in zip(ref["frames"], ref["mean"]) if f <= x_max + width))
         ax.set_title(f"{task}  ({', '.join(counts)}{'' if ref is not None else ', no published curve'})",
                      fontsize=10)
-        ax.set_xlabel("environment frames (action repeat included)")
+        ax.set_xlabel("the task's environment frames (action repeat included)")
         ax.set_ylabel("episode return" if metric.endswith("/return") else metric)
         ax.set_xlim(0, x_max * 1.02 if x_max > 0 else 1)
         ax.xaxis.set_major_formatter(FuncFormatter(format_frames))
