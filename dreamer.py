@@ -1348,7 +1348,7 @@ class Trainer:
         self.schedules = {"train": self.loop.schedule,
                           "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
         env = (train_envs or eval_envs or [None])[0]  # without one, stored episodes are taken on trust
-        stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env else {})
+        stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env is not None else {})
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
         self.notes = [stored.note]  # lines for the start-up summary
