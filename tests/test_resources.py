@@ -268,7 +268,8 @@ def test_auto_with_several_tasks_places_only_the_expensive_one_in_workers(tmp_pa
 
 def test_start_up_summary_counts_the_environments_the_decision_gave_each_task(tmp_path, capsys, monkeypatch,
                                                                              stand_in_measurement):
-    # As above: swingup, the dear task, gets the remainder environment (round-robin would give it 1 of 3).
+    # Balance cheap in-process (0.3 ms), swingup dear (30 ms): the decision gives swingup the remainder
+    # environment, 2 of 3, where round-robin would give it 1.
     tasks = ["dmc_cartpole_balance", "dmc_cartpole_swingup"]
     monkeypatch.setattr(dreamer, "measure_costs", lambda config, names, max_threads: costs(
         env_ms=dict(zip(tasks, (0.3, 30.0))), worker_ms=dict(zip(tasks, (31.0, 31.0))), extra=0.2, cores=4))
