@@ -107,6 +107,8 @@ RANGES = {
     "prefill": (_at_least(0), "a whole number >= 0"),
     "pretrain": (_at_least(0), "a whole number >= 0"),
     "eval_every": (_at_least(0), "a whole number >= 0"),
+    "save_every": (_at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
+    "chunk_size": (lambda v, flat: isinstance(v, int) and v >= 0, "a whole number >= 0 (0 for whole episodes only)"),
     "eval_episode_num": (_at_least(0), "a whole number >= 0"),
     "log_every": (_at_least(0), "a whole number >= 0"),
     "expl_until": (_at_least(0), "a whole number >= 0"),
@@ -502,8 +504,10 @@ class Collector:
     of an episode keeps them).
     """
 
-    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1, context=None):
+    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1, context=None, chunk_size=0):
         self.envs, self.replay, self.directory, self.on_episode = env_list, replay, directory, on_episode
+        # Per environment: its episode files, written in chunks of chunk_size steps as they fill.
+        self.writers = [tools.EpisodeWriter(directory, chunk_size) for _ in env_list] if directory is not None else None
         self.action_repeat = action_repeat
         self.context = context if context is not None and context.spec else None
         self.newest = [None] * len(env_list)  # per environment: (step, replay id) of the step the policy sees next
@@ -537,6 +541,8 @@ class Collector:
         if self.context is not None:
             step.update({k: v[0] for k, v in self.context.entries(None, 1).items()})
         self.episodes[index].append(step)
+        if self.writers is not None:
+            self.writers[index].add(self.episodes[index])
         stepid = None
         if self.replay is not None:
             stepid = self.replay.add({k: v for k, v in step.items() if not k.startswith("log_")}, index)
@@ -587,8 +593,8 @@ class Collector:
     def _finish(self, index):
         steps = self.episodes[index]
         episode = {k: np.stack([s[k] for s in steps]) for k in steps[0]}
-        if self.directory is not None:
-            tools.save_episode(self.directory, episode)
+        if self.writers is not None:
+            self.writers[index].finish(episode)
         self.episodes[index] = []
         self.env_episodes[index] += 1
         self.env_returns[index] = float(episode["reward"].sum())
@@ -1360,7 +1366,10 @@ class Trainer:
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
         self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (Collector(train_envs, self.replay, self.traindir, self.on_episode, config.action_repeat,
-                                    agent.context) if train_envs else None)
+                                    agent.context, config.chunk_size) if train_envs else None)
+        # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
+        stops = tools.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
+        self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
         self.warmed_up = set()  # names of the compiled calls made once already
@@ -1380,6 +1389,7 @@ class Trainer:
 
     def save(self):
         self.checkpoints.save()
+        self.agreement.saved()
 
     def restore(self, state):
         return self.checkpoints.restore(state)
@@ -1437,7 +1447,7 @@ class Trainer:
         # Every rank updates or none does: the updates average gradients over all of them.
         context = self.agent.context
         length = config.batch_length + context.steps  # the context steps only give the start latent
-        if not count or not self.ranks.all(self.replay.ready(length)):
+        if not count or not self.agreement.settle(self.replay.ready(length)):
             return
         for i in range(count):
             batch, ids = self.replay.sample(config.batch_size, length, ids=True)
@@ -1453,38 +1463,52 @@ class Trainer:
         config = self.config
         self.run_log.open()
         try:
-            if not self.resumed:
-                if self.collector is not None and self.frames < config.prefill:
-                    with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
-                        while self.frames < config.prefill:
-                            self.collect(self.random_policy)
-                            phase.update(min(self.frames, config.prefill))
-                if config.pretrain:
-                    with Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
-                        self.update(config.pretrain, phase)
-                # The prefill's steps count as paid for: training starts at the train ratio.
-                self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
-            self.loop.run()
-            if self.evaluates:
-                self.evaluate()
-            self.log()
+            with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
+                if not self.resumed:
+                    if self.collector is not None and self.frames < config.prefill:
+                        with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
+                            while self.frames < config.prefill:
+                                self.collect(self.random_policy)
+                                phase.update(min(self.frames, config.prefill))
+                                self.agreement.settle(True)  # no updates in the prefill: its steps are the boundary
+                                self.stop_if_asked()
+                    if config.pretrain:
+                        with Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
+                            self.update(config.pretrain, phase)
+                    # The prefill's steps count as paid for: training starts at the train ratio.
+                    self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
+                self.loop.run()
+                if self.evaluates:
+                    self.evaluate()
+                self.log()
+                self.loop.close()
+                self.save()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
             self.checkpoints.save_on_interrupt()
             raise
-        else:
-            self.loop.close()
-            self.save()
+        except tools.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
+            raise tools.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
             self.loop.close()  # after any other error too: no thread outlives the run
             self.run_log.close()
 
+    def stop_if_asked(self):
+        """Under torchrun: once the ranks agreed on a stop (Agreement), save together and end as the
+        signal would (Interrupted: exit 143, KeyboardInterrupt: 130)."""
+        if self.agreement.stop_code:
+            self.save()
+            raise self.agreement.stops.exception(self.agreement.stop_code)
+
     def maintain(self):
         """What both loops do between steps: count finished episodes, evaluate, log."""
         self.count_episodes()
-        if self.evaluates and self.schedules["eval"](self.frames):
+        evaluated = self.evaluates and self.schedules["eval"](self.frames)
+        if evaluated:
             self.evaluate()
+        if evaluated or self.agreement.save_due:  # save_every: due on any rank, agreed at the last update
             self.save()
+        self.stop_if_asked()
         self.progress.update(self.frames)
         if self.schedules["log"](self.frames):
             self.log()
@@ -1500,6 +1524,7 @@ class Checkpoints:
     def __init__(self, trainer, path):
         self.trainer, self.path = trainer, path
         self.saved_frames = None  # frame of the checkpoint on disk
+        self.saved_at = None  # (frames, updates) of the last save of this run
 
     def kept(self):
         """What a refused save leaves on disk, for its error message."""
@@ -1532,8 +1557,9 @@ class Checkpoints:
         self.saved_frames = trainer.frames
         if changes:
             trainer.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
-        # After a kill -9, episodes written after the checkpoint are in replay; their frames were
-        # spent, so the budget counts them (an episode running at the save may count twice).
+        # After a kill -9, episodes and chunks written after the checkpoint are in replay; their
+        # frames were spent, so the budget counts them (the steps of a running episode not yet in a
+        # chunk at the save, at most chunk_size per environment, may count twice).
         rank = ranks.rank
         saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
         extra = stored - saved
@@ -1550,11 +1576,13 @@ class Checkpoints:
         schedules, ranks = trainer.schedules, trainer.ranks
         with trainer.loop.between_steps():  # counters, schedules and episodes on disk agree
             trainer.count_episodes()
+            if trainer.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
+                trainer.counters.stored_steps = tools.stored_steps(trainer.traindir)
             # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
             own = ranks.gather_object({"rng": rng_state(trainer.replay.rng),
                                        "stored_steps": trainer.counters.stored_steps})
             if not ranks.is_main:
-                self.saved_frames = trainer.frames
+                self.saved_frames, self.saved_at = trainer.frames, (trainer.frames, trainer.counters.updates)
                 return
             state = {
                 "agent": trainer.agent.state_dict(),
@@ -1572,15 +1600,20 @@ class Checkpoints:
             raise NonFiniteError(f"non-finite weights or optimizer state at update {trainer.counters.updates}; "
                                  f"the run stops without saving ({self.kept()})") from None
         self.saved_frames = trainer.frames
+        self.saved_at = (trainer.frames, trainer.counters.updates)
 
     def save_on_interrupt(self):
-        if self.trainer.ranks.world_size > 1:
-            # Saving gathers from every rank, and each stopped at its own point of the loop.
-            print(f"Not saved on interrupt under torchrun ({self.kept()}).", file=sys.stderr, flush=True)
+        trainer = self.trainer
+        if self.saved_at == (trainer.frames, trainer.counters.updates):  # a stop the ranks agreed on saved already
+            return
+        if trainer.ranks.world_size > 1:
+            # A second signal: saving gathers from every rank, and each stopped at its own point.
+            print(f"Not saved: a second signal stops every rank at once ({self.kept()}).", file=sys.stderr,
+                  flush=True)
             return
         try:
             self.save()
-        except NonFiniteError as e:
+        except (NonFiniteError, tools.WriteError) as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
 
     def restore(self, state):
@@ -2082,6 +2115,11 @@ def main(argv=None):
         sys.exit(143 if isinstance(e, Interrupted) else 130)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except tools.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
+        found = tools.torchrun_rank()
+        where = f"rank {found[0]} of {found[1]}: " if found else ""
+        print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
         found = tools.torchrun_rank()

@@ -12,6 +12,7 @@ Nothing here knows about the world model or the environments.
 
 import collections
 import datetime
+import errno
 import io
 import json
 import os
@@ -238,21 +239,141 @@ def kl_normal(lhs_mean, lhs_std, rhs_mean, rhs_std):
 # ==================================================================================================
 
 
-def save_episode(directory, episode):
+def episode_name():
+    """A new episode's name, `<time stamp>-<unique id>`: its files (the whole episode, or its
+    chunks while it runs) all start with it, so names alone sort them by time and group them."""
+    return f"{datetime.datetime.now().strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}"
+
+
+def save_episode(directory, episode, name=None):
     """Write one episode (dict of arrays, time first) as compressed .npz, atomically.
 
-    The file name carries time stamp, a unique id and the length, so that the newest episodes can
-    be found from names alone and a crash never leaves a half-written episode behind.
+    The file name, `<name>-<length>.npz`, carries a time stamp, a unique id (`name`, by default a new
+    `episode_name()`) and the length, so that the newest episodes can be found from names alone and
+    a crash never leaves a half-written episode behind. Raises WriteError when the file cannot be
+    written (full disk, read-only folder).
     """
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    length = len(episode["reward"])
-    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")
-    filename = directory / f"{stamp}-{uuid.uuid4().hex[:8]}-{length}.npz"
+    filename = directory / f"{name or episode_name()}-{len(episode['reward'])}.npz"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(filename, e) from None
     with io.BytesIO() as buffer:
         np.savez_compressed(buffer, **episode)
         atomic_write_bytes(filename, buffer.getvalue())
     return filename
+
+
+# A chunk of a running episode: `<name>-c<index>-<length>.npz`, index from 0 (zero-padded, so that
+# names sort in order). Chunk 0 holds the episode's first, action-less step; the chunks of an episode
+# concatenated are the episode so far. Once its whole file `<name>-<length>.npz` exists they are stale.
+CHUNK_DIGITS = 8
+
+
+def parse_episode_file(path):
+    """(episode name, chunk index or None for a whole episode, length) from a file name; a name of
+    another form is a whole episode of unknown length (None), named by itself."""
+    parts = pathlib.Path(path).stem.split("-")
+    try:
+        length = int(parts[-1])
+    except ValueError:
+        return pathlib.Path(path).stem, None, None
+    if len(parts) >= 4 and parts[-2].startswith("c") and parts[-2][1:].isdigit():
+        return "-".join(parts[:-2]), int(parts[-2][1:]), length
+    if len(parts) < 2:
+        return pathlib.Path(path).stem, None, None
+    return "-".join(parts[:-1]), None, length
+
+
+def episode_files(directory):
+    """The episodes stored in a folder, newest first: [(name, [file, ...])], one file for a whole
+    episode, the chunks in order for one that was still running (or cut short by a kill). Chunks
+    of an episode whose whole file exists are left out: a kill between writing the whole episode and
+    removing its chunks leaves both, and each step must count once."""
+    whole, chunks = {}, collections.defaultdict(list)
+    for path in pathlib.Path(directory).glob("*.npz"):
+        name, index, _ = parse_episode_file(path)
+        if index is None:
+            whole[path.stem] = (name, [path])
+        else:
+            chunks[name].append((index, path))
+    names = {name for name, _ in whole.values()}
+    items = list(whole.values())
+    for name, found in chunks.items():
+        if name not in names:
+            items.append((name, [path for _, path in sorted(found)]))
+    return sorted(items, key=lambda item: item[0], reverse=True)
+
+
+def read_episode(files):
+    """One episode from its file, or from its chunks (concatenated; a missing chunk ends it there, so
+    that no two steps that did not follow each other become neighbours)."""
+    parts = []
+    for position, path in enumerate(files):
+        _, index, _ = parse_episode_file(path)
+        if index is not None and index != position:
+            break
+        with path.open("rb") as f:
+            data = np.load(f)
+            parts.append({k: data[k] for k in data.keys()})
+    if not parts:
+        raise ValueError("its first chunk is missing")
+    if len(parts) == 1:
+        return parts[0]
+    keys = set(parts[0])
+    if any(set(part) != keys for part in parts):
+        raise ValueError("its chunks hold different keys")
+    return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+
+class EpisodeWriter:
+    """One environment's episodes on disk as they are collected, so that a kill loses at most one
+    unfinished chunk: every `chunk_size` steps are written as a chunk file (atomically) once they are
+    final, and the whole episode once it ends, which then replaces its chunks. chunk_size 0 writes
+    whole episodes only.
+
+    `add(steps)` takes the episode so far (a list of step dicts, newest last) after each new step.
+    A chunk never holds the newest step: its stored policy latent (models.ReplayContext) is filled in
+    only when the policy acts on it, so a chunk is written once chunk_size steps before the newest
+    are unwritten. `finish(episode)` writes the whole episode first and removes the chunks after it:
+    a kill in between leaves stale chunks that loading and counting ignore (`episode_files`), so no
+    step is lost or read twice.
+    """
+
+    def __init__(self, directory, chunk_size):
+        self.directory, self.chunk_size = pathlib.Path(directory), int(chunk_size)
+        self._start()
+
+    def _start(self):
+        self.name, self.chunks, self.written = episode_name(), [], 0
+
+    def add(self, steps):
+        if len(steps) == 1 and self.written:  # a new episode (after a restarted worker): the old one's chunks stay
+            self._start()
+        if not self.chunk_size or len(steps) - 1 - self.written < self.chunk_size:
+            return None
+        part = steps[self.written:self.written + self.chunk_size]
+        chunk = {k: np.stack([step[k] for step in part]) for k in part[0]}
+        path = self.directory / f"{self.name}-c{len(self.chunks):0{CHUNK_DIGITS}d}-{len(part)}.npz"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WriteError(path, e) from None
+        with io.BytesIO() as buffer:
+            np.savez_compressed(buffer, **chunk)
+            atomic_write_bytes(path, buffer.getvalue())
+        self.chunks.append(path)
+        self.written += len(part)
+        return path
+
+    def finish(self, episode):
+        """Write the whole `episode` (dict of (T, ...) arrays), remove its chunks, and start the next one."""
+        path = save_episode(self.directory, episode, self.name)
+        for chunk in self.chunks:
+            chunk.unlink(missing_ok=True)
+        self._start()
+        return path
 
 
 # Keys an episode may lack: `task` (the step's index into the run's --task list) came with runs of
@@ -318,21 +439,19 @@ def skip_warning(filename, problem):
 def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
     """Load the newest episodes whose lengths sum to at most `limit` steps, oldest first.
 
-    A corrupt or unreadable file, and with `spec` (see `episode_spec`) an episode that does not
-    fit the run's spaces, is skipped and reported to `on_skip(filename, problem)`, never fatal.
-    Stored policy latents are fitted to the spec first (`fit_latents`). With `spec`, an episode
-    without `task` gets task 0 at every step (OPTIONAL_KEYS).
+    An episode is a whole file, or the chunks of one that was still running (`episode_files`): its
+    steps so far, a partial episode. A corrupt or unreadable file, and with `spec` (see
+    `episode_spec`) an episode that does not fit the run's spaces, is skipped and reported to
+    `on_skip(filename, problem)`, never fatal. Stored policy latents are fitted to the spec first
+    (`fit_latents`). With `spec`, an episode without `task` gets task 0 at every step (OPTIONAL_KEYS).
     """
     directory = pathlib.Path(directory)
     if not directory.exists():
         return []
-    files = sorted(directory.glob("*.npz"), reverse=True)
     episodes, total = [], 0
-    for filename in files:
+    for _, files in episode_files(directory):
         try:
-            with filename.open("rb") as f:
-                data = np.load(f)
-                episode = {k: data[k] for k in data.keys()}
+            episode = read_episode(files)
             if spec is not None:
                 episode = fit_latents(episode, spec)
             problem = episode_problem(episode, spec) if spec is not None else None
@@ -341,7 +460,7 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
             problem = f"unreadable ({e})"
         if problem is not None:
-            on_skip(filename, problem)
+            on_skip(files[0] if len(files) == 1 else f"{files[0]} (and its {len(files) - 1} later chunks)", problem)
             continue
         length = len(episode["reward"])
         if limit is not None and total + length > limit:
@@ -354,14 +473,16 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
 
 
 def stored_steps(directory):
-    """Policy steps held in a folder's episode files, read from their names (`...-<length>.npz`,
-    which counts the first, action-less step too) without opening them."""
+    """Policy steps held in a folder's episode files, read from their names without opening them:
+    a whole episode of `...-<length>.npz` holds length - 1 (its first step has no action), as does
+    the first chunk of a running one; every later chunk holds its length. Chunks made stale by
+    their episode's whole file count nothing (`episode_files`)."""
     total = 0
-    for filename in pathlib.Path(directory).glob("*.npz"):
-        try:
-            total += max(0, int(filename.stem.rsplit("-", 1)[1]) - 1)
-        except (IndexError, ValueError):
-            continue
+    for _, files in episode_files(directory):
+        for path in files:
+            _, index, length = parse_episode_file(path)
+            if length is not None:
+                total += max(0, length - 1) if not index else length
     return total
 
 
@@ -491,15 +612,45 @@ class Replay:
 # ==================================================================================================
 
 
+class WriteError(OSError):
+    """A file that cannot be written: a full disk (ENOSPC), a read-only folder (EROFS, EACCES), ...
+    Its message names the file and the error in one line; nothing half-written is left behind."""
+
+    def __init__(self, path, error, note=None):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.path, self.note = pathlib.Path(path), note
+
+    def __str__(self):
+        note = f"; {self.note}" if self.note else ""
+        return f"cannot write {self.path}: {self.strerror} (errno {self.errno}){note}"
+
+    @property
+    def hint(self):
+        """What to do about it."""
+        full = self.errno in (errno.ENOSPC, errno.EDQUOT)
+        return f"{'free space' if full else 'make it writable'} and rerun to resume"
+
+
 def atomic_write_bytes(path, data):
-    """Write `data` to `path` through a temporary file and a rename, so readers never see half."""
+    """Write `data` to `path` through a temporary file and a rename, so readers never see half.
+
+    On failure the temporary file is removed (a full disk gets its space back) and WriteError
+    names `path`; `path` itself is untouched.
+    """
     path = pathlib.Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only folder, where it was never written
+            pass
+        raise WriteError(path, e) from None
 
 
 class CheckpointError(RuntimeError):
@@ -541,7 +692,10 @@ def save_checkpoint(path, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    atomic_write_bytes(tmp, buffer.getvalue())
+    try:
+        atomic_write_bytes(tmp, buffer.getvalue())
+    except WriteError as e:  # named as the checkpoint, not its temporary file; nothing was replaced
+        raise WriteError(path, e) from None
     # Ctrl-C or SIGTERM between the renames would leave only previous.pt; hold them until done.
     signals = {signal.SIGINT, signal.SIGTERM}
     blocked = threading.current_thread() is threading.main_thread()
@@ -551,6 +705,8 @@ def save_checkpoint(path, state):
         if path.exists():
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
+    except OSError as e:  # renames need no space; a folder turned read-only can refuse them
+        raise WriteError(path, e) from None
     finally:
         if blocked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
@@ -745,6 +901,21 @@ class Every:
         return False
 
 
+class Clock:
+    """Wall-clock schedule: due once `seconds` have passed since it started or was last `reset()`
+    (never when seconds <= 0). The checkpoint clock (save_every); `now` is replaceable for tests."""
+
+    def __init__(self, seconds, now=time.monotonic):
+        self.seconds, self.now = seconds, now
+        self.last = now()
+
+    def __call__(self):
+        return bool(self.seconds) and self.seconds > 0 and self.now() - self.last >= self.seconds
+
+    def reset(self):
+        self.last = self.now()
+
+
 class Ratio:
     """Number of updates owed so that updates * replayed_per_update / steps == ratio."""
 
@@ -906,6 +1077,10 @@ class SingleProcess:
     def max(self, value):
         return value
 
+    def max_each(self, values):
+        """The maximum over processes of each number in `values` (a list), in one collective."""
+        return list(values)
+
     def all(self, flag):
         return flag
 
@@ -980,6 +1155,11 @@ class Distributed(SingleProcess):
     def max(self, value):
         return type(value)(self._reduce(value, self.dist.ReduceOp.MAX))
 
+    def max_each(self, values):
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX)
+        return tensor.tolist()
+
     def all(self, flag):
         return bool(self._reduce(float(bool(flag)), self.dist.ReduceOp.MIN))
 
@@ -993,6 +1173,69 @@ class Distributed(SingleProcess):
     def close(self):
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+class Stops:
+    """SIGTERM and Ctrl-C as a request to stop, for a run of several processes: every rank must stop
+    at the same update and save one checkpoint together, so the signal handler only notes the
+    request (`code`: 1 Ctrl-C, 2 SIGTERM) and `Agreement` exchanges it. A second signal, `repeat_after`
+    seconds or more after the first, stops at once (raises `exceptions[signal]()`). Signals closer
+    together are the same request: torchrun forwards the SIGTERM or Ctrl-C it gets to every worker,
+    and schedulers (SLURM) and terminals signal the whole group, so each worker gets one stop twice
+    within milliseconds. Handlers are installed for the `with` block (main thread only), and only
+    when `enabled`: a single process keeps the immediate KeyboardInterrupt path."""
+
+    CODES = {signal.SIGINT: 1, signal.SIGTERM: 2}  # exchanged by max: SIGTERM wins over Ctrl-C
+
+    def __init__(self, exceptions, enabled=True, repeat_after=2.0):
+        self.exceptions, self.enabled, self.repeat_after = exceptions, enabled, repeat_after
+        self.code, self.first, self.previous = 0, None, {}
+
+    def handle(self, signum, frame):
+        now = time.monotonic()
+        if self.code and now - self.first >= self.repeat_after:
+            raise self.exceptions[signum]()
+        if not self.code:
+            self.first = now
+        self.code = max(self.code, self.CODES[signum])
+
+    def exception(self, code):
+        """The exception a stop agreed with `code` ends the run with (as its signal would)."""
+        return next(self.exceptions[sig] for sig, c in self.CODES.items() if c == code)()
+
+    def __enter__(self):
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in self.CODES}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+class Agreement:
+    """What the ranks of a run decide together at a point each reaches at the same iteration: whether
+    every replay is ready to train, whether a checkpoint is due (any rank's `clock`, a `Clock`) and
+    whether any rank was asked to stop (`stops.code`). One collective of three numbers, at the update
+    boundary (Trainer.update, whose readiness check was that collective already): the counters and
+    schedules are the same on every rank, so all reach it together, at every iteration that owes
+    updates; never once per update. Without torchrun it exchanges nothing."""
+
+    def __init__(self, ranks, clock, stops):
+        self.ranks, self.clock, self.stops = ranks, clock, stops
+        self.save_due, self.stop_code = False, 0
+
+    def settle(self, ready):
+        """Whether every rank is `ready`; notes a due save and a stop request, kept until acted on."""
+        not_ready, due, stop = self.ranks.max_each([float(not ready), float(self.clock()), float(self.stops.code)])
+        self.save_due = self.save_due or bool(due)
+        self.stop_code = max(self.stop_code, int(stop))
+        return not not_ready
+
+    def saved(self):
+        self.save_due = False
+        self.clock.reset()
 
 
 def torchrun_rank():
