@@ -497,8 +497,9 @@ class Dreamer(nn.Module):
 class Collector:
     """Steps a list of environments together under one batched policy and records every step.
 
-    Each environment's steps go to its own replay stream; finished episodes are written to
-    `directory` and their return and length reported to `on_episode`. With a replay `context`
+    Each environment's steps go to its own replay stream; episodes are written to `directory`
+    (in chunks of `chunk_size` steps while they run: tools.EpisodeWriter) and their return and
+    length reported to `on_episode` when they end. With a replay `context`
     (models.ReplayContext, replay_context > 0) each step also holds the latent the policy
     computed on it, filled in once the policy has seen the step (zeros until then: the last step
     of an episode keeps them).
@@ -1104,7 +1105,7 @@ def resolve_auto(config, act_space):
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
                "parallel", "env_failure", "compile", "video_pred_log", "asynchronous", "actor_sync_every",
-               "ratio_tolerance")
+               "ratio_tolerance", "save_every", "chunk_size")
 
 
 def compare_saved_config(config, path):

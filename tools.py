@@ -1,11 +1,13 @@
 """Shared building blocks, in five sections (in this order):
 
 1. Distributions: symlog/symexp, two-hot, one-hot with unimix, bounded normal, MSE heads.
-2. Replay: episode files written atomically as .npz, and the sequence replay buffer.
-3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files.
-4. Schedules: the counters that decide when to train, log and evaluate, and the asynchronous
-   loop's samples-per-insert rate limiter.
-5. Processes: one training process, or one of several started by torchrun (data parallel).
+2. Replay: episode files written atomically as .npz (in chunks while an episode runs), and the
+   sequence replay buffer.
+3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files, write errors.
+4. Schedules: the counters that decide when to train, log and evaluate, the checkpoint clock, and
+   the asynchronous loop's samples-per-insert rate limiter.
+5. Processes: one training process, or one of several started by torchrun (data parallel), and
+   the stops and saves they agree on.
 
 Nothing here knows about the world model or the environments.
 """
@@ -645,12 +647,14 @@ def atomic_write_bytes(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # Ctrl-C in a single process too: no temporary file stays behind
         try:
             tmp.unlink(missing_ok=True)
         except OSError:  # a read-only folder, where it was never written
             pass
-        raise WriteError(path, e) from None
+        if isinstance(e, OSError):
+            raise WriteError(path, e) from None
+        raise
 
 
 class CheckpointError(RuntimeError):
