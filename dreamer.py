@@ -1465,7 +1465,7 @@ class Trainer:
         self.run_log.open()
         try:
             with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
-                if not self.resumed:
+                if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
                     if self.collector is not None and self.frames < config.prefill:
                         with Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
                             while self.frames < config.prefill:

@@ -490,3 +490,25 @@ def test_a_write_that_fails_stops_with_one_line_keeps_the_checkpoint_and_the_rer
     frame = resumed_frame(run_copy)
     status, out, err = main(capsys, *SHORT, *flags, "--logdir", str(run_copy), "--steps", "80")
     assert status == 0 and f"resumed from frame {frame}" in out, err
+
+
+def test_a_stop_in_the_prefill_saves_and_the_rerun_finishes_the_prefill_and_pretrains(tmp_path, capsys, monkeypatch):
+    logdir, calls = tmp_path / "run", []
+    random_policy = dreamer.Trainer.random_policy
+
+    def interrupted(self, obs, state):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return random_policy(self, obs, state)
+
+    monkeypatch.setattr(dreamer.Trainer, "random_policy", interrupted)
+    flags = [*SHORT, "--prefill", "60", "--pretrain", "2", "--steps", "80", "--logdir", str(logdir)]
+    code, _, err = main(capsys, *flags)
+    assert code == 130, err
+    counters = tools.load_checkpoint(logdir / "latest.pt")["counters"]
+    assert (counters["policy_steps"], counters["updates"]) == (4, 0)
+    monkeypatch.undo()
+    code, out, err = main(capsys, *flags)
+    assert code == 0 and "resumed from frame 8" in out, err
+    assert "prefill: done, 60 frames" in out and "pretrain: done, 2 updates" in out
