@@ -315,7 +315,7 @@ def test_dmc_seeds_are_distinct_and_train_never_shares_with_eval():
                             "--seed", "3"])
     train, evaluation = parallel.make_envs(config, "train", 2), parallel.make_envs(config, "eval", 2)
     assert all(isinstance(env, parallel.Parallel) for env in train + evaluation)
-    config.parallel = False
+    config = config.replace(parallel=False)
     local = parallel.make_envs(config, "train", 1)[0]
     pids = [env.pid for env in train + evaluation]
     try:
