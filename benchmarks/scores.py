@@ -42,7 +42,9 @@ window (f - 10K, f], not the per-seed values, so the mean over seeds comes befor
 left out of that window's mean (each of the paper's seeds counts equally in its table). For Atari 100k
 the window (390K, 400K] is exactly the file's point at 400K. The per-game curves there are those of
 the official code's current scores/atari100k-dreamerv3.json.gz, and give a human-normalised mean of
-124.7% and median of 49.4%; the paper's first version reported 112% / 49% from an earlier set of runs.
+124.7% and median of 49.4% (that file's own per-seed episodes, scored as above, give the same); the
+paper's first version reported 112% / 49%, from the earlier runs that file replaced (their Pong, for
+one, reached about 18 at 400K frames where these reach -4): the median agrees, the mean does not.
 
 Bad input (no run, a run without the metric in the window, an Atari game without human and random
 scores) ends with a one-line error, exit status 2.
