@@ -51,6 +51,7 @@ scores) ends with a one-line error, exit status 2.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import pathlib
@@ -59,10 +60,18 @@ import sys
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
-import plot  # noqa: E402 - the shared reader of both kinds of logdir
+
+def _load_plot():
+    """benchmarks/plot.py, the shared reader of both kinds of logdir, loaded by path: putting this
+    folder on sys.path would let benchmarks/envs.py shadow the project's envs package."""
+    spec = importlib.util.spec_from_file_location("benchmarks_plot", HERE / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plot = _load_plot()
 
 ATARI_FILE = HERE / "atari_human_random.json"
 ATARI_FRAMES = 400_000
