@@ -86,6 +86,7 @@ def setup(argv):
     device fell back to the CPU (or None) and the differences from the run's saved config."""
     config = parse(sys.argv[1:] if argv is None else argv)
     check_processes(config)
+    tools.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
     if not config.logdir:
         raise tools.ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     config = check_tasks(config)
@@ -886,7 +887,9 @@ class RunLog:
 
     def open(self):
         trainer = self.trainer
-        self.logger = tools.Logger(trainer.logdir, trainer.frames) if trainer.ranks.is_main else tools.NullLogger()
+        config = trainer.config
+        self.logger = (tools.Logger(trainer.logdir, trainer.frames, config.logger, config.to_dict())
+                       if trainer.ranks.is_main else tools.NullLogger())
         self.logger.text("config", "```\n" + json.dumps(trainer.config.to_dict(), indent=2) + "\n```",
                          trainer.frames)
         self.progress = tools.Progress(trainer.config.steps, trainer.frames)
@@ -1277,7 +1280,7 @@ RANGES = {
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
                "parallel", "env_failure", "compile", "video_pred_log", "asynchronous", "actor_sync_every",
-               "ratio_tolerance")
+               "ratio_tolerance", "logger", "wandb.project", "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
 
 
 def parse(argv, presets=None):

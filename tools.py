@@ -2,7 +2,7 @@
 
 1. Distributions: symlog/symexp, two-hot, one-hot with unimix, bounded normal, MSE heads.
 2. Replay: episode files written atomically as .npz, and the sequence replay buffer.
-3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files.
+3. Logging: TensorBoard, metrics.jsonl, metrics.csv and W&B back ends, videos, atomic checkpoint files.
 4. Schedules: the counters that decide when to train, log and evaluate, and the asynchronous
    loop's samples-per-insert rate limiter.
 5. Processes: one training process, or one of several started by torchrun (data parallel).
@@ -657,31 +657,218 @@ def lock_logdir(logdir):
     return f
 
 
-class Logger:
-    """Scalars and videos to TensorBoard and scalars to `metrics.jsonl`, written at `write()`.
+def video_frames(video):
+    """video: (B, T, H, W, C) uint8 or float in [0, 1] -> (T, H, B * W, C) uint8, the batch entries
+    laid side by side, as every back end shows it."""
+    video = np.asarray(video)
+    if np.issubdtype(video.dtype, np.floating):
+        video = np.clip(255 * video, 0, 255).astype(np.uint8)
+    batch, time, height, width, channels = video.shape
+    return video.transpose(1, 2, 0, 3, 4).reshape(time, height, batch * width, channels)
 
-    Scalars may be tensors; they are converted to floats only when written, so the training step
-    never waits on the device for logging.
-    """
 
-    def __init__(self, logdir, step=0):
+def _video_warning(name, error):
+    warnings.warn(f"Could not write video {name}: {error}", stacklevel=3)
+
+
+class TensorBoardOutput:
+    """Scalars, videos and text as TensorBoard events in the logdir."""
+
+    def __init__(self, logdir, step, config):
         from torch.utils.tensorboard import SummaryWriter
 
+        # A resumed run continues its curves: events written after the checkpoint are dropped.
+        self.writer = SummaryWriter(str(logdir), purge_step=step if step else None, max_queue=1000)
+
+    def write(self, step, scalars, videos):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8
+            try:
+                self.writer.add_video(name, frames[None].transpose(0, 1, 4, 2, 3), step, fps=16)
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.writer.flush()
+
+    def text(self, name, value, step):
+        self.writer.add_text(name, value, step)
+
+    def close(self):
+        self.writer.close()
+
+
+class JsonlOutput:
+    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}."""
+
+    def __init__(self, logdir, step, config):
+        self.path = pathlib.Path(logdir) / "metrics.jsonl"
+        if step and self.path.exists():  # a resumed run drops what came after its checkpoint
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            atomic_write_bytes(self.path, "".join(line + "\n" for line in keep).encode())
+
+    def write(self, step, scalars, videos):
+        if scalars:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **scalars}) + "\n")
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+class CsvOutput:
+    """metrics.csv: the rows of metrics.jsonl as one flat table, a column per metric (step first,
+    then in the order metrics first appear), an empty cell where a row lacks a metric.
+
+    A row is appended while the header holds all its metrics. A metric that appears later (eval/
+    after the first evaluation) widens the header: the file is then rewritten whole, atomically,
+    which happens only the few times a new name turns up.
+    """
+
+    def __init__(self, logdir, step, config):
+        import csv
+
+        self.csv = csv
+        self.path = pathlib.Path(logdir) / "metrics.csv"
+        self.columns, rows = ["step"], []
+        if self.path.exists():
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self.columns = list(reader.fieldnames or ["step"])
+                rows = list(reader)
+            if step:  # a resumed run drops what came after its checkpoint
+                kept = [row for row in rows if float(row["step"]) <= step]
+                if len(kept) < len(rows):
+                    self._rewrite(kept)
+
+    def _rewrite(self, rows):
+        buffer = io.StringIO()
+        writer = self.csv.DictWriter(buffer, self.columns, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_bytes(self.path, buffer.getvalue().encode())
+
+    def write(self, step, scalars, videos):
+        if not scalars:
+            return
+        row = {"step": step, **{name: repr(float(value)) for name, value in scalars.items()}}
+        new = [name for name in row if name not in self.columns]
+        if new or not self.path.exists():
+            rows = []
+            if self.path.exists():
+                with self.path.open(newline="") as f:
+                    rows = list(self.csv.DictReader(f))
+            self.columns += new
+            self._rewrite([*rows, row])
+            return
+        with self.path.open("a", newline="") as f:
+            self.csv.DictWriter(f, self.columns, restval="", lineterminator="\n").writerow(row)
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+WANDB_MISSING = "--logger wandb needs the wandb package, which is not installed: pip install wandb"
+
+
+class WandbOutput:
+    """A Weights & Biases run: the saved config as the run's config, scalars, videos (where
+    video_pred_log is on) and text, against the frame count `step`.
+
+    The run's id is kept in logdir/wandb_id.txt, so a resumed training run continues the same W&B
+    run. W&B refuses steps that go backwards, and a resumed run repeats the frames between its
+    checkpoint and the kill: every value is therefore logged with `step` as its x axis (the
+    metric "step", defined as the step metric of all others) rather than as W&B's own step, so the
+    repeated frames show up as a short overlap instead of being dropped. WANDB_MODE=offline keeps
+    the run on disk (logdir/wandb/) for a later `wandb sync`.
+    """
+
+    ID_FILE = "wandb_id.txt"
+
+    @staticmethod
+    def check():
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError(WANDB_MISSING) from None
+
+    def __init__(self, logdir, step, config):
+        import wandb
+
+        self.wandb = wandb
+        logdir = pathlib.Path(logdir)
+        config = config or {}
+        options = config.get("wandb") or {}
+        id_file = logdir / self.ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+            atomic_write_bytes(id_file, (run_id + "\n").encode())
+        self.run = wandb.init(
+            project=options.get("project") or None, entity=options.get("entity") or None,
+            group=options.get("group") or None, name=options.get("name") or logdir.resolve().name,
+            tags=list(options.get("tags") or []) or None, id=run_id, resume="allow", dir=str(logdir),
+            config=config, settings=wandb.Settings(console="off"))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, step, scalars, videos):
+        data = {"step": step, **scalars}
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8; W&B takes (T, C, H, W)
+            try:
+                data[name] = self.wandb.Video(frames.transpose(0, 3, 1, 2), fps=16, format="mp4")
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.run.log(data)
+
+    def text(self, name, value, step):
+        self.run.log({"step": step, name: self.wandb.Html(f"<pre>{value}</pre>")})
+
+    def close(self):
+        self.run.finish()
+
+
+# --logger names -> back ends; tools.check_loggers validates a list of them.
+LOGGERS = {"tensorboard": TensorBoardOutput, "jsonl": JsonlOutput, "csv": CsvOutput, "wandb": WandbOutput}
+
+
+def check_loggers(names):
+    """Raise ValueError, in one line, for a --logger list that names an unknown back end, names
+    none, or names one whose package is missing (wandb is optional). Writes nothing."""
+    valid = ", ".join(LOGGERS)
+    if isinstance(names, str) or not names:
+        raise ValueError(f"Invalid value '{names if isinstance(names, str) else ''}' for --logger; valid: one or "
+                         f"more of {valid}, comma-separated")
+    for name in names:
+        if name not in LOGGERS:
+            raise ValueError(f"Invalid value '{name}' for --logger; valid: one or more of {valid}, comma-separated")
+    for name in dict.fromkeys(names):
+        check = getattr(LOGGERS[name], "check", None)
+        if check:
+            check()
+
+
+class Logger:
+    """Scalars and videos, collected between writes and sent at `write()` to each back end of
+    `outputs` (names of LOGGERS: TensorBoard events, metrics.jsonl, metrics.csv, W&B).
+
+    Scalars may be tensors; they are converted to floats only when written, so the training step
+    never waits on the device for logging. `config` is the run's config as a dict (W&B's run
+    config and options).
+    """
+
+    def __init__(self, logdir, step=0, outputs=("tensorboard", "jsonl"), config=None):
+        check_loggers(list(outputs))
         self.logdir = pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues its curves: events written after the checkpoint are dropped.
-        self.writer = SummaryWriter(str(self.logdir), purge_step=step if step else None, max_queue=1000)
-        self.jsonl = self.logdir / "metrics.jsonl"
-        if step:
-            self._truncate_jsonl(step)
+        self.outputs = [LOGGERS[name](self.logdir, step, config) for name in dict.fromkeys(outputs)]
         self.scalars = collections.defaultdict(list)
         self.videos = {}
-
-    def _truncate_jsonl(self, step):
-        if not self.jsonl.exists():
-            return
-        keep = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        atomic_write_bytes(self.jsonl, "".join(line + "\n" for line in keep).encode())
 
     def scalar(self, name, value):
         self.scalars[name].append(value)
@@ -693,35 +880,20 @@ class Logger:
         values = {}
         for name, items in self.scalars.items():
             values[name] = float(torch.as_tensor([float(v) for v in items], dtype=torch.float64).mean())
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
-        for name, video in self.videos.items():
-            self._write_video(name, video, step)
-        if values:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **values}) + "\n")
-        self.writer.flush()
+        videos = {name: video_frames(video) for name, video in self.videos.items()}
+        for output in self.outputs:
+            output.write(step, values, videos)
         self.scalars.clear()
         self.videos.clear()
         return values
 
-    def _write_video(self, name, video, step):
-        """video: (B, T, H, W, C) uint8 or float in [0, 1]; batch entries are laid side by side."""
-        video = np.asarray(video)
-        if np.issubdtype(video.dtype, np.floating):
-            video = np.clip(255 * video, 0, 255).astype(np.uint8)
-        batch, time, height, width, channels = video.shape
-        frames = video.transpose(1, 2, 0, 3, 4).reshape(1, time, height, batch * width, channels)
-        try:
-            self.writer.add_video(name, frames.transpose(0, 1, 4, 2, 3), step, fps=16)
-        except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
-            warnings.warn(f"Could not write video {name}: {e}", stacklevel=2)
-
     def text(self, name, value, step):
-        self.writer.add_text(name, value, step)
+        for output in self.outputs:
+            output.text(name, value, step)
 
     def close(self):
-        self.writer.close()
+        for output in self.outputs:
+            output.close()
 
 
 class NullLogger:
