@@ -82,8 +82,6 @@ class Plan2Explore(nn.Module):
         super().__init__()
         self.config = config
         self.wm = [world_model]  # a list keeps the world model out of this module's parameters
-        if config.disag_target not in self.TARGETS:
-            raise ValueError(f"Unknown disag_target '{config.disag_target}'; valid: {', '.join(self.TARGETS)}")
         if config.disag_models < 2:
             raise ValueError(f"Invalid disag_models {config.disag_models}: disagreement needs at least 2 members")
         if not 0 <= config.disag_offset < config.batch_length:
@@ -170,6 +168,25 @@ class Plan2Explore(nn.Module):
         metrics = self.optimizer(loss)
         # The actor's dynamics gradient flows through the ensemble; its weights need no gradient.
         with models.frozen(self.ensemble):
-            metrics.update(self.behavior.train_step(start, start_cont))
+            metrics.update(models.behavior_step(self.behavior, start, start_cont))
         metrics.update(self.reward_stats)
         return metrics
+
+
+def make_behavior(config, world_model, act_space):
+    """The exploration behaviour `expl_behavior` names: None for greedy (the task actor-critic
+    collects), else the Random or Plan2Explore module."""
+    if config.expl_behavior == "greedy":
+        return None
+    if config.expl_behavior == "random":
+        return Random(config, act_space)
+    return Plan2Explore(config, world_model, act_space)
+
+
+COMPILED = (Ensemble,)  # compiled like networks.COMPILED when compile is on
+
+# The choices this module owns, checked once when the config is parsed.
+CHOICES = {
+    "expl_behavior": ("greedy", "random", "plan2explore"),
+    "disag_target": tuple(Plan2Explore.TARGETS),
+}

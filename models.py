@@ -1,4 +1,10 @@
-"""The world model and the actor-critic that learns inside it (Sections 2 and 3 of the paper)."""
+"""The world model and the actor-critic that learns inside it (Sections 2 and 3 of the paper).
+
+In the order a reader looks for them: precision and profiling helpers, 1. the world model and the
+one table of loss scales, 2. returns and their normalisation, 3. the actor-critic, 4. the update
+strategies (which optimizers step on which losses), 5. the replay context, 6. optimizers, and last
+the choices this module owns and the settling of their `auto` values.
+"""
 
 import contextlib
 import copy
@@ -9,6 +15,600 @@ from torch import nn
 
 import networks
 import tools
+
+# ==================================================================================================
+# Precision and profiling
+# ==================================================================================================
+
+
+@contextlib.contextmanager
+def frozen(*modules):
+    """Turn off gradients of `modules` so that a loss backpropagating through them (the actor's
+    dynamics gradient) computes no gradients for their parameters."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def profiled(name):
+    """Label a phase of the update for torch.profiler (benchmarks/train_speed.py); nearly free
+    when no profiler runs."""
+    return torch.profiler.record_function(name)
+
+
+def autocast(config):
+    """bfloat16 autocast on CPU, float16 on CUDA, when precision is 16."""
+    if config.precision == 32:
+        return contextlib.nullcontext()
+    device = torch.device(config.device).type
+    return torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16)
+
+
+def use_scaler(config):
+    return config.precision == 16 and torch.device(config.device).type == "cuda"
+
+
+VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
+
+
+
+# ==================================================================================================
+# 1. World model
+# ==================================================================================================
+
+
+def loss_scales(config, decoder_keys):
+    """The one table of loss scales, as the official code's `loss_scales`: every term of the world
+    model's loss (each decoded observation key, reward, cont, and the KL's dyn and rep) and of the
+    actor-critic's (actor, critic, and the replay value loss repval). A term computed without an
+    entry here, or an entry of the world model's never computed, is an error."""
+    return {**{key: 1.0 for key in decoder_keys}, "reward": config.reward_head.loss_scale,
+            "cont": config.cont_head.loss_scale, "dyn": config.dyn_scale, "rep": config.rep_scale,
+            "actor": 1.0, "critic": 1.0, "repval": config.critic.repval}
+
+
+class WorldModel(nn.Module):
+    """Encoder, RSSM and prediction heads (decoder, reward, continue), trained on replayed sequences."""
+
+    def __init__(self, obs_space, act_space, config):
+        super().__init__()
+        self.config = config
+        self.encoder = networks.MultiEncoder(obs_space, config.encoder)
+        self.rssm = networks.RSSM(config, self.encoder.outdim, act_space.shape[0])
+        feat = self.rssm.feat_size
+        self.heads = nn.ModuleDict({
+            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder, config.dyn_deter),
+            "reward": networks.Head(feat, (), config.reward_head.layers, config.units, config.act, config.norm,
+                                    config.reward_head.dist, config.reward_head.outscale),
+            "cont": networks.Head(feat, (1,), config.cont_head.layers, config.units, config.act, config.norm,
+                                  "binary", config.cont_head.outscale),
+        })
+        for name in config.grad_heads:
+            if name not in self.heads:
+                raise ValueError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
+        unknown = [name for name in self.heads if name not in self.HEAD_LOSSES]
+        if unknown:
+            raise ValueError(f"World-model head '{unknown[0]}' has no loss in WorldModel.HEAD_LOSSES; "
+                             f"known: {', '.join(self.HEAD_LOSSES)}")
+        networks.reinit(self, config.winit)
+        self.scales = loss_scales(config, self.heads["decoder"].keys)  # every term of every loss
+        self.terms = {*self.heads["decoder"].keys, "reward", "cont", "dyn", "rep"}  # this model's own
+        missing = self.terms - set(self.scales)
+        if missing:
+            raise ValueError(f"World-model loss terms without a scale in models.loss_scales: {', '.join(missing)}")
+        self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
+                                   config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
+                                   warmup=config.warmup)
+
+    def preprocess(self, obs):
+        """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
+        device = self.rssm.img_stats.weight.device
+        data = {}
+        for key, value in obs.items():
+            if key.startswith("log_"):
+                continue
+            value = torch.as_tensor(np.asarray(value), device=device)
+            data[key] = value.float() / 255.0 if value.dtype == torch.uint8 else value.float()
+        if "is_terminal" in data:
+            data["cont"] = 1.0 - data["is_terminal"]
+        return data
+
+    def embed(self, data):  # dict of (B, T, ...) -> (B, T, E)
+        lead = data["is_first"].shape
+        flat = {k: v.reshape(-1, *v.shape[len(lead):]) for k, v in data.items()}
+        return self.encoder(flat).reshape(*lead, -1)
+
+    def loss(self, data, start=None):
+        """World-model loss (Eq. 4-5) on a batch (B, T, ...) filtered from the latent `start`
+        (deter (B, D), stoch (B, S[, C]); None: the initial state); returns loss, posterior,
+        embed, metrics."""
+        config = self.config
+        embed = self.embed(data)  # (B, T, E)
+        post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
+        scales = self.scales
+        kl, dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free, scales["dyn"], scales["rep"])
+        feat = self.rssm.get_feat(post)  # (B, T, F)
+        losses = {}  # term: (B, T), scaled
+        for name, head in self.heads.items():
+            pred = head(feat if name in config.grad_heads else feat.detach())
+            for term, value in self.HEAD_LOSSES[name](self, pred, data).items():
+                losses[term] = value * scales[term]
+        if set(losses) | {"dyn", "rep"} != self.terms:
+            raise ValueError(f"World-model loss terms {sorted(set(losses) | {'dyn', 'rep'})} differ from the "
+                             f"scaled ones {sorted(self.terms)} (models.loss_scales)")
+        loss = (sum(losses.values()) + kl).mean()
+        metrics = {f"{k}_loss": v.detach().mean() for k, v in losses.items()}
+        metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
+                       prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
+                       post_entropy=self.rssm.dist(post).entropy().detach().mean())
+        return loss, post, embed, metrics
+
+    def decoder_loss(self, pred, data):  # {key: dist} -> {key: (B, T)}
+        return {key: -dist.log_prob(data[key]) for key, dist in pred.items()}
+
+    def reward_loss(self, pred, data):
+        return {"reward": -pred.log_prob(data["reward"])}
+
+    def cont_loss(self, pred, data):
+        return {"cont": -pred.log_prob(self.cont_target(data["cont"])[..., None])}
+
+    # The loss terms of each head, unscaled; a head without an entry is an error at construction.
+    HEAD_LOSSES = {"decoder": decoder_loss, "reward": reward_loss, "cont": cont_loss}
+
+    def cont_target(self, cont):
+        """What the continue head learns from cont = 1 - terminal (B, T): the flag itself, or with
+        cont_head.contdisc the discount it implies, cont * discount (the 2024 recipe)."""
+        return cont * self.config.discount if self.config.cont_head.contdisc else cont
+
+    def imagined_cont(self, feat, start_cont):
+        """Continue weights (H+1, N) of an imagined trajectory feat (H+1, N, F) and the discount
+        to apply on top of them. The paper's: the replayed flag at the start, the head's 0/1 mode
+        after it, times `discount`. With contdisc: the head's probability at every step, which
+        already is the discount, so none on top."""
+        head = self.heads["cont"]
+        if self.config.cont_head.contdisc:
+            return head(feat).mean()[..., 0], 1.0
+        return torch.cat([start_cont[None], head(feat[1:]).mode()[..., 0]], 0), self.config.discount
+
+    @torch.no_grad()
+    def video_pred(self, data, context=5, count=6):
+        """Open-loop prediction: observe `context` steps, then imagine the rest from the actions.
+
+        Returns (count, T, 3H, W, C) in [0, 1]: truth, model and error stacked vertically.
+        """
+        key = next(iter(self.heads["decoder"].cnn_shapes))
+        data = {k: v[:count] for k, v in data.items()}
+        embed = self.embed(data)
+        post, _ = self.rssm.observe(embed[:, :context], data["action"][:, :context], data["is_first"][:, :context])
+        recon = self.heads["decoder"](self.rssm.get_feat(post))[key].mode()
+        last = {k: v[:, -1] for k, v in post.items()}
+        prior = self.rssm.imagine_with_action(data["action"][:, context:], last)
+        openl = self.heads["decoder"](self.rssm.get_feat(prior))[key].mode()
+        model = torch.cat([recon, openl], 1).clamp(0, 1)
+        truth = data[key]
+        error = (model - truth + 1) / 2
+        return torch.cat([truth, model, error], 2).float().cpu().numpy()
+
+
+
+# ==================================================================================================
+# 2. Returns and their normalisation
+# ==================================================================================================
+
+
+def lambda_return(reward, cont, value, discount, lambda_):
+    """λ-returns (Eq. 7), computed backwards from the bootstrap value.
+
+    Inputs are (H, N) for imagined steps 1..H: reward r_t, continue flag c_t and value v_t.
+    Output (H, N) for steps 0..H-1: R_t = r_{t+1} + γ c_{t+1} ((1 - λ) v_{t+1} + λ R_{t+1}),
+    with R_H = v_H.
+    """
+    returns, last = [], value[-1]
+    for t in reversed(range(len(reward))):
+        last = reward[t] + discount * cont[t] * ((1 - lambda_) * value[t] + lambda_ * last)
+        returns.append(last)
+    return torch.stack(returns[::-1])
+
+
+def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
+    """λ-returns along a replayed sequence (the 2024 recipe's replay value loss), all (B, T):
+    real rewards and terminations, bootstrapped at every step from `boot`, the imagined λ-return
+    of that step's posterior state. Output (B, T-1) for steps 0..T-2:
+
+        R_t = r_{t+1} + γ (1 - term_{t+1}) ((1 - c_{t+1}) boot_{t+1} + c_{t+1} R_{t+1}),
+        c = λ (1 - last),  R_{T-1} = boot_{T-1},
+
+    so that a sequence never bootstraps across an episode's last step."""
+    live = (1 - is_terminal[:, 1:]) * discount
+    cont = (1 - is_last[:, 1:]) * lambda_
+    returns, last = [], boot[:, -1]
+    for t in reversed(range(reward.shape[1] - 1)):
+        last = reward[:, t + 1] + live[:, t] * ((1 - cont[:, t]) * boot[:, t + 1] + cont[:, t] * last)
+        returns.append(last)
+    return torch.stack(returns[::-1], 1)
+
+
+class ReturnNorm(nn.Module):
+    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns.
+
+    Under torchrun the percentiles are those of every process's returns together (all-gathered),
+    so that the EMAs stay identical on every rank and equal those of one process on the whole batch.
+    """
+
+    ranks = tools.SingleProcess()
+
+    def __init__(self, decay=0.99, low=0.05, high=0.95, floor=1.0):
+        super().__init__()
+        self.decay, self.quantiles, self.floor = decay, (low, high), floor
+        self.register_buffer("low", torch.zeros(()))
+        self.register_buffer("high", torch.zeros(()))
+
+    def forward(self, returns):
+        """Update the EMAs with a batch of returns; return (offset, scale)."""
+        flat = self.ranks.all_gather(returns.detach().float().flatten())  # (world_size * H * N,)
+        q = torch.quantile(flat, torch.tensor(self.quantiles, device=flat.device))
+        self.low.mul_(self.decay).add_((1 - self.decay) * q[0])
+        self.high.mul_(self.decay).add_((1 - self.decay) * q[1])
+        return self.low.clone(), torch.clamp(self.high - self.low, min=self.floor)
+
+
+
+# ==================================================================================================
+# 3. Actor-critic
+# ==================================================================================================
+
+
+def rollout(rssm, actor, start, horizon, through_dynamics):
+    """Roll `actor` out in `rssm` for `horizon` steps from every start state (N, ...); the
+    actions feed the dynamics with their gradient only when `through_dynamics`.
+
+    Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the actor's raw
+    outputs (H+1, N, D), kept so that the actor loss need not run the actor again.
+    The action at the last state is sampled too but never executed.
+    """
+    state = start
+    feats, states, actions, outs = [], [], [], []
+    for t in range(horizon + 1):
+        feat = rssm.get_feat(state)
+        out = actor.raw(feat.detach())
+        action = actor.dist(out).sample()
+        feats.append(feat)
+        states.append(state)
+        actions.append(action)
+        outs.append(out)
+        if t < horizon:
+            state = rssm.img_step(state, action if through_dynamics else action.detach())
+    stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
+    states = {k: stack([s[k] for s in states]) for k in states[0]}
+    return stack(feats), states, stack(actions), stack(outs)
+
+
+def replay_value_loss(behavior, feat, critic_out, boot, replay):
+    """The critic of `behavior` (an ActorCritic) also learns λ-returns of the replayed sequences
+    (replay_lambda_return), bootstrapped from the imagined returns `boot` (N,), with the same
+    slow-critic regulariser; feat (N, F) and critic_out (N, bins) are at the posterior states,
+    N = B * T."""
+    shape = replay["reward"].shape  # (B, T)
+    boot = boot.reshape(shape)
+    returns = replay_lambda_return(replay["reward"], replay["is_last"], replay["is_terminal"], boot,
+                                   behavior.config.discount, behavior.config.discount_lambda)  # (B, T-1)
+    dist = behavior.critic.dist(critic_out.reshape(*shape, -1)[:, :-1])
+    loss = -dist.log_prob(returns)
+    if behavior.config.critic.slow_target:
+        with torch.no_grad():
+            slow = behavior.slow_critic(feat.reshape(*shape, -1)[:, :-1]).mean()
+        loss = loss - dist.log_prob(slow)
+    return ((1 - replay["is_last"][:, :-1]) * loss).mean()
+
+
+class ActorCritic(nn.Module):
+    """Actor and critic trained on trajectories imagined by the world model (Section 3).
+
+    `reward_fn(feat, state, action) -> (H+1, N)` supplies the reward, so that the same class
+    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward).
+    """
+
+    def __init__(self, config, world_model, act_space, reward_fn, prefix=""):
+        super().__init__()
+        self.config, self.prefix = config, prefix
+        self.wm = [world_model]  # a list keeps the world model out of this module's parameters
+        self.reward_fn = reward_fn
+        feat = world_model.rssm.feat_size
+        self.actor = networks.Actor(feat, act_space.shape[0], config.actor, config.units, config.act, config.norm)
+        critic = config.critic
+        self.critic = networks.Head(feat, (), critic.layers, config.units, config.act, config.norm,
+                                    critic.dist, critic.outscale)
+        networks.reinit(self.actor, config.winit)
+        networks.reinit(self.critic, config.winit)
+        self.slow_critic = copy.deepcopy(self.critic).requires_grad_(False)
+        self.return_norm = ReturnNorm() if config.reward_EMA else None
+        scaler = use_scaler(config)
+        schedule = {"agc": config.agc, "warmup": config.warmup}
+        self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
+                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
+        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr, config.critic.eps,
+                                    config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+
+    def imagine(self, start):
+        """Roll the policy out for imag_horizon steps from every start state (N, ...); see `rollout`.
+        REINFORCE needs no gradient through the imagined dynamics: cut there, the rollout records no
+        graph beyond the actor's own outputs."""
+        through_dynamics = self.config.imag_gradient != "reinforce"
+        return rollout(self.wm[0].rssm, self.actor, start, self.config.imag_horizon, through_dynamics)
+
+    def loss(self, start, start_cont, replay=None):
+        """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
+        without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
+        the replay value loss is computed on them, so that its gradient can reach the world model
+        (update 'joint'); otherwise on the detached start states."""
+        config = self.config
+        wm = self.wm[0]
+        with frozen(wm), autocast(config):
+            with profiled("imagination"):
+                feat, state, action, policy_out = self.imagine(start)
+                # Rewards of the states reached, steps 1..H: (H, N).
+                reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                with torch.no_grad():  # the continue flags carry no gradient
+                    cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
+                # The weight discounts losses of states the model believes lie past an episode end.
+                weight = (torch.cumprod(discount * cont, 0) / discount).detach()
+                # One critic pass serves both losses: its values bootstrap the returns (the actor's
+                # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
+                # are what the critic loss trains. Each optimizer backpropagates into its own
+                # parameters only, so neither loss leaks into the other network.
+                critic_out = self.critic.raw(feat)  # (H+1, N, bins)
+                value = self.critic.dist(critic_out).mean()  # (H+1, N)
+                returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
+            with profiled("actor"):
+                policy = self.actor.dist(policy_out[:-1])
+                # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
+                # also flows through v(s_t) of the imagined states (into the actor only).
+                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
+            with profiled("critic"):
+                critic_dist = self.critic.dist(critic_out[:-1])
+                critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
+                if replay is not None and config.critic.repval:
+                    if "feat" in replay:
+                        replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
+                        replay_out = self.critic.raw(replay_feat)
+                    else:
+                        replay_feat, replay_out = feat[0], critic_out[0]
+                    repval = replay_value_loss(self, replay_feat.detach(), replay_out, returns[0].detach(), replay)
+                    critic_loss = critic_loss + wm.scales["repval"] * repval
+                    critic_metrics["critic_repval_loss"] = repval.detach()
+                metrics.update(critic_metrics)
+        metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
+                       imag_value=value.detach().mean())
+        return wm.scales["actor"] * actor_loss, wm.scales["critic"] * critic_loss, metrics
+
+    def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
+        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
+
+        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
+        the dynamics gradient flows through both the returns and the base.
+        """
+        config = self.config
+        if policy is None:
+            policy = self.actor(feat[:-1].detach())
+        if base is None:
+            base = self.critic(feat[:-1]).mean()
+        if self.return_norm is not None:
+            offset, scale = self.return_norm(returns)
+        else:
+            offset, scale = returns.new_zeros(()), returns.new_ones(())
+        normed_returns = (returns - offset) / scale
+        advantage = normed_returns - (base - offset) / scale
+        dynamics = -advantage  # v1's backprop loss: the baseline is not stop-gradded
+        reinforce = -policy.log_prob(action[:-1].detach()) * advantage.detach()
+        if config.imag_gradient == "dynamics":
+            loss = dynamics
+        elif config.imag_gradient == "reinforce":
+            loss = reinforce
+        else:
+            mix = config.imag_gradient_mix
+            loss = mix * dynamics + (1 - mix) * reinforce
+        entropy = policy.entropy()
+        loss = loss - config.actor.entropy * entropy
+        metrics = {"actor_entropy": entropy.detach().mean(), "return_scale": scale.detach(),
+                   "advantage": advantage.detach().mean()}
+        return (weight[:-1] * loss).mean(), metrics
+
+    def critic_loss(self, feat, returns, weight, dist=None):
+        """Critic learns the λ-returns; with slow_target it is also pulled to the slow critic's
+        predictions, which stabilises learning (Section 3, Critic learning).
+
+        `dist`, the critic's prediction at steps 0..H-1, is computed from feat unless given.
+        """
+        if dist is None:
+            dist = self.critic(feat[:-1])
+        loss = -dist.log_prob(returns)
+        if self.config.critic.slow_target:
+            with torch.no_grad():
+                slow = self.slow_critic(feat[:-1]).mean()
+            loss = loss - dist.log_prob(slow)
+        return (weight[:-1] * loss).mean(), {"critic_value": dist.mean().detach().mean()}
+
+    @torch.no_grad()
+    def update_slow_critic(self):
+        """EMA of the critic's weights every slow_target_update updates."""
+        config = self.config.critic
+        if self.updates % config.slow_target_update == 0:
+            mix = config.slow_target_fraction
+            for slow, fast in zip(self.slow_critic.parameters(), self.critic.parameters()):
+                slow.mul_(1 - mix).add_(mix * fast)
+        self.updates += 1
+
+    def finish_step(self, metrics):
+        """After every update of the actor and critic, whichever strategy stepped them: the slow
+        critic's update, and the metrics under this behaviour's prefix (expl_ for Plan2Explore)."""
+        self.update_slow_critic()
+        return {self.prefix + k: v for k, v in metrics.items()}
+
+    def optimizer_state(self):
+        return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
+
+    def load_optimizer_state(self, state):
+        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
+        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])
+
+
+
+# ==================================================================================================
+# 4. Update strategies
+# ==================================================================================================
+
+
+def behavior_step(behavior, start, start_cont, replay=None):
+    """One step of an ActorCritic's own optimizers on its loss (ActorCritic.loss) from posterior
+    states start (N, ...) with their continue flags (N,); `replay` (the replayed reward, is_last
+    and is_terminal, (B, T) with N = B * T) feeds the replay value loss. Returns prefixed metrics."""
+    actor_loss, critic_loss, metrics = behavior.loss(start, start_cont, replay)
+    with autocast(behavior.config):
+        with profiled("actor"):  # the backward pass through the imagined trajectories
+            metrics.update(behavior.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
+        with profiled("critic"):
+            metrics.update(behavior.critic_opt(critic_loss))
+    return behavior.finish_step(metrics)
+
+
+class SequentialUpdate:
+    """The paper's update (update 'sequential'): a world-model step, then the actor and the critic
+    learn in imagination from the detached posteriors, each network with its own optimizer."""
+
+    optimizer = None  # the networks' own optimizers hold all the state
+
+    def __init__(self, config, world_model, behavior):
+        self.wm, self.behavior = world_model, behavior
+
+    def train_step(self, data, start=None):
+        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see
+        ReplayContext; None: the initial state); returns the detached posterior, the embedding
+        and the metrics."""
+        with profiled("world_model"), autocast(self.wm.config):
+            loss, post, embed, metrics = self.wm.loss(data, start)
+            metrics.update(self.wm.optimizer(loss))
+        post, embed = {k: v.detach() for k, v in post.items()}, embed.detach()
+        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
+        metrics.update(behavior_step(self.behavior, start, data["cont"].reshape(-1), replay))
+        return post, embed, metrics
+
+
+class JointUpdate:
+    """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
+    critic, and one step on the sum of all their losses, all taken at the same parameters. The
+    replay value loss is computed on the posterior features with their graph, so that it trains
+    the representation too. It uses the world model's optimizer settings (opt, model_lr,
+    opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
+    gradient through the critic's values would leak into the critic's weights in a joint step.
+    """
+
+    def __init__(self, config, world_model, behavior):
+        if config.imag_gradient != "reinforce":
+            raise ValueError(f"update 'joint' needs imag_gradient 'reinforce', not '{config.imag_gradient}'")
+        self.config, self.wm, self.behavior = config, world_model, behavior
+        params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
+        self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
+                                   config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
+
+    def train_step(self, data, start=None):
+        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
+        detached posterior, the embedding and the metrics, like SequentialUpdate.train_step."""
+        with autocast(self.config):
+            with profiled("world_model"):
+                model_loss, post, embed, metrics = self.wm.loss(data, start)
+            start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
+            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
+            replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
+            actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
+            behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
+            metrics["model_loss"] = model_loss.detach()
+            metrics.update(self.optimizer(model_loss + actor_loss + critic_loss))
+        metrics.update(self.behavior.finish_step(behavior_metrics))
+        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
+
+
+UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
+
+
+
+# ==================================================================================================
+# 5. Replay context
+# ==================================================================================================
+
+
+class ReplayContext:
+    """The replay context of the 2024 recipe (replay_context K > 0), as in the official code.
+
+    The policy's posterior latent is stored with every step it acted on (episode keys
+    `latent_deter` (D,) and `latent_stoch` (S, C), or (S,) for Gaussian latents). A sampled
+    sequence has K + batch_length steps: the first K only give the latent the world model starts
+    from (the stored one of step K - 1; the action that leads on from it is stored with step K,
+    so nothing else of the context steps is needed) and every loss, imagination start and the
+    replay value loss cover the other batch_length steps. After the update the posteriors of
+    these steps are written back over their stored latents, so that later sequences start from
+    fresher ones. A zero latent (prefill steps, the last step of an episode, episodes stored
+    without latents) is the initial state under `initial zeros`; a step marked is_first resets
+    the state anyway. K = 0 (v1): nothing is stored, sequences start from the initial state.
+    """
+
+    PREFIX = tools.LATENT
+
+    def __init__(self, config):
+        self.steps = config.replay_context
+        stoch = (config.dyn_stoch, config.dyn_discrete) if config.dyn_discrete else (config.dyn_stoch,)
+        self.spec = ({self.PREFIX + "deter": ((config.dyn_deter,), np.dtype(np.float32)),
+                      self.PREFIX + "stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
+
+    def entries(self, state, count):
+        """What to store with the `count` steps the policy just acted on: dict of (count, ...)
+        float32 arrays from its state (latent, action) as Dreamer.policy returns it; zeros for a
+        policy without a latent (the random prefill, state None)."""
+        if state is None:
+            return {k: np.zeros((count, *shape), dtype) for k, (shape, dtype) in self.spec.items()}
+        latent = state[0]
+        return {self.PREFIX + k: latent[k].detach().float().cpu().numpy() for k in ("deter", "stoch")
+                if self.PREFIX + k in self.spec}
+
+    def split(self, data):
+        """data (B, K + T, ...) as tensors -> the start latent {deter (B, D), stoch (B, S[, C])}
+        and the data of the T trained steps without the latents; K = 0: (None, data)."""
+        if not self.steps:
+            return None, data
+        start = {k: data[self.PREFIX + k][:, self.steps - 1] for k in ("deter", "stoch")}
+        rest = {k: v[:, self.steps:] for k, v in data.items() if not k.startswith(self.PREFIX)}
+        return start, rest
+
+    def store(self, batch, post):
+        """Put the training posteriors post (B, T, ...) into `batch` (numpy, B, K + T, ...) in
+        place of the latents of the trained steps."""
+        if not self.steps:
+            return
+        for key in ("deter", "stoch"):
+            name = self.PREFIX + key
+            batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
+                                          post[key].detach().float().cpu().numpy()], 1)
+
+    def write_back(self, replay, ids, batch):
+        """Write the trained steps' latents of `batch` (see store) to the replay, to the steps
+        they were computed for; ids (B, 2) are the sampled sequences' first steps (Replay.sample)."""
+        if not self.steps:
+            return
+        ids = np.array(ids)
+        ids[:, 1] += self.steps
+        replay.update(ids, {k: np.asarray(batch[k])[:, self.steps:] for k in self.spec})
+
+
+
+# ==================================================================================================
+# 6. Optimizers
+# ==================================================================================================
 
 
 class LaProp(torch.optim.Optimizer):
@@ -83,8 +683,6 @@ class Optimizer:
                  warmup=0):
         self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
         self.params = [p for p in params if p.requires_grad]
-        if opt not in OPTIMIZERS:
-            raise ValueError(f"Unknown opt '{opt}'; valid: {', '.join(OPTIMIZERS)}")
         kwargs = {"foreach": True} if opt != "laprop" else {}
         self.opt = OPTIMIZERS[opt](self.params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
@@ -131,525 +729,50 @@ class Optimizer:
         return changes
 
 
-class SequentialUpdate:
-    """The paper's update (update 'sequential'): a world-model step, then the actor and the critic
-    learn in imagination from the detached posteriors, each network with its own optimizer."""
 
-    optimizer = None  # the networks' own optimizers hold all the state
-
-    def __init__(self, config, world_model, behavior):
-        self.wm, self.behavior = world_model, behavior
-
-    def train_step(self, data, start=None):
-        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see
-        ReplayContext; None: the initial state); returns the detached posterior, the embedding
-        and the metrics."""
-        post, embed, metrics = self.wm.train_step(data, start)
-        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
-        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
-        metrics.update(self.behavior.train_step(start, data["cont"].reshape(-1), replay))
-        return post, embed, metrics
-
-
-class JointUpdate:
-    """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
-    critic, and one step on the sum of all their losses, all taken at the same parameters. The
-    replay value loss is computed on the posterior features with their graph, so that it trains
-    the representation too. It uses the world model's optimizer settings (opt, model_lr,
-    opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
-    gradient through the critic's values would leak into the critic's weights in a joint step.
-    """
-
-    def __init__(self, config, world_model, behavior):
-        if config.imag_gradient != "reinforce":
-            raise ValueError(f"update 'joint' needs imag_gradient 'reinforce', not '{config.imag_gradient}'")
-        self.config, self.wm, self.behavior = config, world_model, behavior
-        params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
-        self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
-
-    def train_step(self, data, start=None):
-        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
-        detached posterior, the embedding and the metrics, like WorldModel.train_step."""
-        with autocast(self.config):
-            with profiled("world_model"):
-                model_loss, post, embed, metrics = self.wm.loss(data, start)
-            start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
-            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
-            replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
-            actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
-            behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
-            metrics["model_loss"] = model_loss.detach()
-            metrics.update(self.optimizer(model_loss + actor_loss + critic_loss))
-        self.behavior.update_slow_critic()
-        metrics.update({self.behavior.prefix + k: v for k, v in behavior_metrics.items()})
-        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
-
-
-UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
-
-
-class ReplayContext:
-    """The replay context of the 2024 recipe (replay_context K > 0), as in the official code.
-
-    The policy's posterior latent is stored with every step it acted on (episode keys
-    `latent_deter` (D,) and `latent_stoch` (S, C), or (S,) for Gaussian latents). A sampled
-    sequence has K + batch_length steps: the first K only give the latent the world model starts
-    from (the stored one of step K - 1; the action that leads on from it is stored with step K,
-    so nothing else of the context steps is needed) and every loss, imagination start and the
-    replay value loss cover the other batch_length steps. After the update the posteriors of
-    these steps are written back over their stored latents, so that later sequences start from
-    fresher ones. A zero latent (prefill steps, the last step of an episode, episodes stored
-    without latents) is the initial state under `initial zeros`; a step marked is_first resets
-    the state anyway. K = 0 (v1): nothing is stored, sequences start from the initial state.
-    """
-
-    PREFIX = tools.LATENT
-
-    def __init__(self, config):
-        self.steps = config.replay_context
-        stoch = (config.dyn_stoch, config.dyn_discrete) if config.dyn_discrete else (config.dyn_stoch,)
-        self.spec = ({self.PREFIX + "deter": ((config.dyn_deter,), np.dtype(np.float32)),
-                      self.PREFIX + "stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
-
-    def entries(self, state, count):
-        """What to store with the `count` steps the policy just acted on: dict of (count, ...)
-        float32 arrays from its state (latent, action) as Dreamer.policy returns it; zeros for a
-        policy without a latent (the random prefill, state None)."""
-        if state is None:
-            return {k: np.zeros((count, *shape), dtype) for k, (shape, dtype) in self.spec.items()}
-        latent = state[0]
-        return {self.PREFIX + k: latent[k].detach().float().cpu().numpy() for k in ("deter", "stoch")
-                if self.PREFIX + k in self.spec}
-
-    def split(self, data):
-        """data (B, K + T, ...) as tensors -> the start latent {deter (B, D), stoch (B, S[, C])}
-        and the data of the T trained steps without the latents; K = 0: (None, data)."""
-        if not self.steps:
-            return None, data
-        start = {k: data[self.PREFIX + k][:, self.steps - 1] for k in ("deter", "stoch")}
-        rest = {k: v[:, self.steps:] for k, v in data.items() if not k.startswith(self.PREFIX)}
-        return start, rest
-
-    def store(self, batch, post):
-        """Put the training posteriors post (B, T, ...) into `batch` (numpy, B, K + T, ...) in
-        place of the latents of the trained steps."""
-        if not self.steps:
-            return
-        for key in ("deter", "stoch"):
-            name = self.PREFIX + key
-            batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
-                                          post[key].detach().float().cpu().numpy()], 1)
-
-    def write_back(self, replay, ids, batch):
-        """Write the trained steps' latents of `batch` (see store) to the replay, to the steps
-        they were computed for; ids (B, 2) are the sampled sequences' first steps (Replay.sample)."""
-        if not self.steps:
-            return
-        ids = np.array(ids)
-        ids[:, 1] += self.steps
-        replay.update(ids, {k: np.asarray(batch[k])[:, self.steps:] for k in self.spec})
-
-
-@contextlib.contextmanager
-def frozen(*modules):
-    """Turn off gradients of `modules` so that a loss backpropagating through them (the actor's
-    dynamics gradient) computes no gradients for their parameters."""
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-
-
-def profiled(name):
-    """Label a phase of the update for torch.profiler (benchmarks/train_speed.py); nearly free
-    when no profiler runs."""
-    return torch.profiler.record_function(name)
-
-
-def autocast(config):
-    """bfloat16 autocast on CPU, float16 on CUDA, when precision is 16."""
-    if config.precision == 32:
-        return contextlib.nullcontext()
-    device = torch.device(config.device).type
-    return torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16)
-
-
-class WorldModel(nn.Module):
-    """Encoder, RSSM and prediction heads (decoder, reward, continue), trained on replayed sequences."""
-
-    def __init__(self, obs_space, act_space, config):
-        super().__init__()
-        self.config = config
-        self.encoder = networks.MultiEncoder(obs_space, config.encoder)
-        self.rssm = networks.RSSM(config, self.encoder.outdim, act_space.shape[0])
-        feat = self.rssm.feat_size
-        self.heads = nn.ModuleDict({
-            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder, config.dyn_deter),
-            "reward": networks.Head(feat, (), config.reward_head.layers, config.units, config.act, config.norm,
-                                    config.reward_head.dist, config.reward_head.outscale),
-            "cont": networks.Head(feat, (1,), config.cont_head.layers, config.units, config.act, config.norm,
-                                  "binary", config.cont_head.outscale),
-        })
-        for name in config.grad_heads:
-            if name not in self.heads:
-                raise ValueError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
-        networks.reinit(self, config.winit)
-        self.loss_scales = {"reward": config.reward_head.loss_scale, "cont": config.cont_head.loss_scale}
-        self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
-                                   warmup=config.warmup)
-
-    def preprocess(self, obs):
-        """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
-        device = self.rssm.img_stats.weight.device
-        data = {}
-        for key, value in obs.items():
-            if key.startswith("log_"):
-                continue
-            value = torch.as_tensor(np.asarray(value), device=device)
-            data[key] = value.float() / 255.0 if value.dtype == torch.uint8 else value.float()
-        if "is_terminal" in data:
-            data["cont"] = 1.0 - data["is_terminal"]
-        return data
-
-    def embed(self, data):  # dict of (B, T, ...) -> (B, T, E)
-        lead = data["is_first"].shape
-        flat = {k: v.reshape(-1, *v.shape[len(lead):]) for k, v in data.items()}
-        return self.encoder(flat).reshape(*lead, -1)
-
-    def loss(self, data, start=None):
-        """World-model loss (Eq. 4-5) on a batch (B, T, ...) filtered from the latent `start`
-        (deter (B, D), stoch (B, S[, C]); None: the initial state); returns loss, posterior,
-        embed, metrics."""
-        config = self.config
-        embed = self.embed(data)  # (B, T, E)
-        post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
-        kl, dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free, config.dyn_scale, config.rep_scale)
-        feat = self.rssm.get_feat(post)  # (B, T, F)
-        losses = {}
-        for name, head in self.heads.items():
-            pred = head(feat if name in config.grad_heads else feat.detach())
-            if name == "decoder":
-                for key, dist in pred.items():
-                    losses[key] = -dist.log_prob(data[key])
-            elif name == "reward":
-                losses["reward"] = -pred.log_prob(data["reward"]) * self.loss_scales["reward"]
-            else:
-                target = self.cont_target(data["cont"])[..., None]
-                losses["cont"] = -pred.log_prob(target) * self.loss_scales["cont"]
-        loss = (sum(losses.values()) + kl).mean()
-        metrics = {f"{k}_loss": v.detach().mean() for k, v in losses.items()}
-        metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
-                       prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
-                       post_entropy=self.rssm.dist(post).entropy().detach().mean())
-        return loss, post, embed, metrics
-
-    def cont_target(self, cont):
-        """What the continue head learns from cont = 1 - terminal (B, T): the flag itself, or with
-        cont_head.contdisc the discount it implies, cont * discount (the 2024 recipe)."""
-        return cont * self.config.discount if self.config.cont_head.contdisc else cont
-
-    def imagined_cont(self, feat, start_cont):
-        """Continue weights (H+1, N) of an imagined trajectory feat (H+1, N, F) and the discount
-        to apply on top of them. The paper's: the replayed flag at the start, the head's 0/1 mode
-        after it, times `discount`. With contdisc: the head's probability at every step, which
-        already is the discount, so none on top."""
-        head = self.heads["cont"]
-        if self.config.cont_head.contdisc:
-            return head(feat).mean()[..., 0], 1.0
-        return torch.cat([start_cont[None], head(feat[1:]).mode()[..., 0]], 0), self.config.discount
-
-    def train_step(self, data, start=None):
-        """One world-model update; returns the detached posterior and embedding (B, T, ...)."""
-        with profiled("world_model"), autocast(self.config):
-            loss, post, embed, metrics = self.loss(data, start)
-            metrics.update(self.optimizer(loss))
-        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
-
-    @torch.no_grad()
-    def video_pred(self, data, context=5, count=6):
-        """Open-loop prediction: observe `context` steps, then imagine the rest from the actions.
-
-        Returns (count, T, 3H, W, C) in [0, 1]: truth, model and error stacked vertically.
-        """
-        key = next(iter(self.heads["decoder"].cnn_shapes))
-        data = {k: v[:count] for k, v in data.items()}
-        embed = self.embed(data)
-        post, _ = self.rssm.observe(embed[:, :context], data["action"][:, :context], data["is_first"][:, :context])
-        recon = self.heads["decoder"](self.rssm.get_feat(post))[key].mode()
-        last = {k: v[:, -1] for k, v in post.items()}
-        prior = self.rssm.imagine_with_action(data["action"][:, context:], last)
-        openl = self.heads["decoder"](self.rssm.get_feat(prior))[key].mode()
-        model = torch.cat([recon, openl], 1).clamp(0, 1)
-        truth = data[key]
-        error = (model - truth + 1) / 2
-        return torch.cat([truth, model, error], 2).float().cpu().numpy()
-
-
-VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
-
-
-def use_scaler(config):
-    return config.precision == 16 and torch.device(config.device).type == "cuda"
-
-
-def lambda_return(reward, cont, value, discount, lambda_):
-    """λ-returns (Eq. 7), computed backwards from the bootstrap value.
-
-    Inputs are (H, N) for imagined steps 1..H: reward r_t, continue flag c_t and value v_t.
-    Output (H, N) for steps 0..H-1: R_t = r_{t+1} + γ c_{t+1} ((1 - λ) v_{t+1} + λ R_{t+1}),
-    with R_H = v_H.
-    """
-    returns, last = [], value[-1]
-    for t in reversed(range(len(reward))):
-        last = reward[t] + discount * cont[t] * ((1 - lambda_) * value[t] + lambda_ * last)
-        returns.append(last)
-    return torch.stack(returns[::-1])
-
-
-def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
-    """λ-returns along a replayed sequence (the 2024 recipe's replay value loss), all (B, T):
-    real rewards and terminations, bootstrapped at every step from `boot`, the imagined λ-return
-    of that step's posterior state. Output (B, T-1) for steps 0..T-2:
-
-        R_t = r_{t+1} + γ (1 - term_{t+1}) ((1 - c_{t+1}) boot_{t+1} + c_{t+1} R_{t+1}),
-        c = λ (1 - last),  R_{T-1} = boot_{T-1},
-
-    so that a sequence never bootstraps across an episode's last step."""
-    live = (1 - is_terminal[:, 1:]) * discount
-    cont = (1 - is_last[:, 1:]) * lambda_
-    returns, last = [], boot[:, -1]
-    for t in reversed(range(reward.shape[1] - 1)):
-        last = reward[:, t + 1] + live[:, t] * ((1 - cont[:, t]) * boot[:, t + 1] + cont[:, t] * last)
-        returns.append(last)
-    return torch.stack(returns[::-1], 1)
-
-
-class ReturnNorm(nn.Module):
-    """Return normalisation (Eq. 8): scale S = max(1, EMA(P95) - EMA(P5)) over the batch of returns.
-
-    Under torchrun the percentiles are those of every process's returns together (all-gathered),
-    so that the EMAs stay identical on every rank and equal those of one process on the whole batch.
-    """
-
-    ranks = tools.SingleProcess()
-
-    def __init__(self, decay=0.99, low=0.05, high=0.95, floor=1.0):
-        super().__init__()
-        self.decay, self.quantiles, self.floor = decay, (low, high), floor
-        self.register_buffer("low", torch.zeros(()))
-        self.register_buffer("high", torch.zeros(()))
-
-    def forward(self, returns):
-        """Update the EMAs with a batch of returns; return (offset, scale)."""
-        flat = self.ranks.all_gather(returns.detach().float().flatten())  # (world_size * H * N,)
-        q = torch.quantile(flat, torch.tensor(self.quantiles, device=flat.device))
-        self.low.mul_(self.decay).add_((1 - self.decay) * q[0])
-        self.high.mul_(self.decay).add_((1 - self.decay) * q[1])
-        return self.low.clone(), torch.clamp(self.high - self.low, min=self.floor)
-
-
-class ActorCritic(nn.Module):
-    """Actor and critic trained on trajectories imagined by the world model (Section 3).
-
-    `reward_fn(feat, state, action) -> (H+1, N)` supplies the reward, so that the same class
-    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward).
-    """
-
-    def __init__(self, config, world_model, act_space, reward_fn, prefix=""):
-        super().__init__()
-        self.config, self.prefix = config, prefix
-        self.wm = [world_model]  # a list keeps the world model out of this module's parameters
-        self.reward_fn = reward_fn
-        feat = world_model.rssm.feat_size
-        actor_config = copy.copy(config.actor)
-        actor_config.units = config.units
-        self.actor = networks.Actor(feat, act_space.shape[0], actor_config, config.act, config.norm)
-        critic = config.critic
-        if critic.dist not in VALUE_DISTS:
-            raise ValueError(f"Unknown critic.dist '{critic.dist}'; valid: {', '.join(VALUE_DISTS)}")
-        self.critic = networks.Head(feat, (), critic.layers, config.units, config.act, config.norm,
-                                    critic.dist, critic.outscale)
-        networks.reinit(self.actor, config.winit)
-        networks.reinit(self.critic, config.winit)
-        self.slow_critic = copy.deepcopy(self.critic).requires_grad_(False)
-        self.return_norm = ReturnNorm() if config.reward_EMA else None
-        if config.imag_gradient not in ("dynamics", "reinforce", "both"):
-            raise ValueError(f"Unknown imag_gradient '{config.imag_gradient}'; valid: dynamics, reinforce, both")
-        scaler = use_scaler(config)
-        schedule = {"agc": config.agc, "warmup": config.warmup}
-        self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
-                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
-        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr, config.critic.eps,
-                                    config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
-        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
-
-    def imagine(self, start):
-        """Roll the policy out for imag_horizon steps from every start state (N, ...).
-
-        Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the actor's raw
-        outputs (H+1, N, D), kept so that the actor loss need not run the actor again.
-        The action at the last state is sampled too but never executed.
-        """
-        rssm = self.wm[0].rssm
-        # REINFORCE needs no gradient through the imagined dynamics; cut there, the rollout records
-        # no graph beyond the actor's own outputs.
-        through_dynamics = self.config.imag_gradient != "reinforce"
-        state = start
-        feats, states, actions, outs = [], [], [], []
-        for t in range(self.config.imag_horizon + 1):
-            feat = rssm.get_feat(state)
-            out = self.actor.raw(feat.detach())
-            action = self.actor.dist(out).sample()
-            feats.append(feat)
-            states.append(state)
-            actions.append(action)
-            outs.append(out)
-            if t < self.config.imag_horizon:
-                state = rssm.img_step(state, action if through_dynamics else action.detach())
-        stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
-        states = {k: stack([s[k] for s in states]) for k in states[0]}
-        return stack(feats), states, stack(actions), stack(outs)
-
-    def train_step(self, start, start_cont, replay=None):
-        """One actor and one critic update from posterior states start (N, ...) with their
-        continue flags start_cont (N,). `replay`, the replayed reward, is_last and is_terminal
-        (B, T) with N = B * T, feeds the replay value loss (critic.repval)."""
-        actor_loss, critic_loss, metrics = self.loss(start, start_cont, replay)
-        with autocast(self.config):
-            with profiled("actor"):  # the backward pass through the imagined trajectories
-                metrics.update(self.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
-            with profiled("critic"):
-                metrics.update(self.critic_opt(critic_loss))
-        self.update_slow_critic()
-        return {self.prefix + k: v for k, v in metrics.items()}
-
-    def loss(self, start, start_cont, replay=None):
-        """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
-        without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
-        the replay value loss is computed on them, so that its gradient can reach the world model
-        (update 'joint'); otherwise on the detached start states."""
-        config = self.config
-        wm = self.wm[0]
-        with frozen(wm), autocast(config):
-            with profiled("imagination"):
-                feat, state, action, policy_out = self.imagine(start)
-                # Rewards of the states reached, steps 1..H: (H, N).
-                reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
-                with torch.no_grad():  # the continue flags carry no gradient
-                    cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
-                # The weight discounts losses of states the model believes lie past an episode end.
-                weight = (torch.cumprod(discount * cont, 0) / discount).detach()
-                # One critic pass serves both losses: its values bootstrap the returns (the actor's
-                # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
-                # are what the critic loss trains. Each optimizer backpropagates into its own
-                # parameters only, so neither loss leaks into the other network.
-                critic_out = self.critic.raw(feat)  # (H+1, N, bins)
-                value = self.critic.dist(critic_out).mean()  # (H+1, N)
-                returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
-            with profiled("actor"):
-                policy = self.actor.dist(policy_out[:-1])
-                # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
-                # also flows through v(s_t) of the imagined states (into the actor only).
-                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
-            with profiled("critic"):
-                critic_dist = self.critic.dist(critic_out[:-1])
-                critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
-                if replay is not None and config.critic.repval:
-                    if "feat" in replay:
-                        replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
-                        replay_out = self.critic.raw(replay_feat)
-                    else:
-                        replay_feat, replay_out = feat[0], critic_out[0]
-                    repval = self.replay_value_loss(replay_feat.detach(), replay_out, returns[0].detach(), replay)
-                    critic_loss = critic_loss + config.critic.repval * repval
-                    critic_metrics["critic_repval_loss"] = repval.detach()
-                metrics.update(critic_metrics)
-        metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
-                       imag_value=value.detach().mean())
-        return actor_loss, critic_loss, metrics
-
-    def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
-        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
-
-        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
-        the dynamics gradient flows through both the returns and the base.
-        """
-        config = self.config
-        if policy is None:
-            policy = self.actor(feat[:-1].detach())
-        if base is None:
-            base = self.critic(feat[:-1]).mean()
-        if self.return_norm is not None:
-            offset, scale = self.return_norm(returns)
-        else:
-            offset, scale = returns.new_zeros(()), returns.new_ones(())
-        normed_returns = (returns - offset) / scale
-        advantage = normed_returns - (base - offset) / scale
-        dynamics = -advantage  # v1's backprop loss: the baseline is not stop-gradded
-        reinforce = -policy.log_prob(action[:-1].detach()) * advantage.detach()
-        if config.imag_gradient == "dynamics":
-            loss = dynamics
-        elif config.imag_gradient == "reinforce":
-            loss = reinforce
-        else:
-            mix = config.imag_gradient_mix
-            loss = mix * dynamics + (1 - mix) * reinforce
-        entropy = policy.entropy()
-        loss = loss - config.actor.entropy * entropy
-        metrics = {"actor_entropy": entropy.detach().mean(), "return_scale": scale.detach(),
-                   "advantage": advantage.detach().mean()}
-        return (weight[:-1] * loss).mean(), metrics
-
-    def critic_loss(self, feat, returns, weight, dist=None):
-        """Critic learns the λ-returns; with slow_target it is also pulled to the slow critic's
-        predictions, which stabilises learning (Section 3, Critic learning).
-
-        `dist`, the critic's prediction at steps 0..H-1, is computed from feat unless given.
-        """
-        if dist is None:
-            dist = self.critic(feat[:-1])
-        loss = -dist.log_prob(returns)
-        if self.config.critic.slow_target:
-            with torch.no_grad():
-                slow = self.slow_critic(feat[:-1]).mean()
-            loss = loss - dist.log_prob(slow)
-        return (weight[:-1] * loss).mean(), {"critic_value": dist.mean().detach().mean()}
-
-    def replay_value_loss(self, feat, critic_out, boot, replay):
-        """The critic also learns λ-returns of the replayed sequences (replay_lambda_return),
-        bootstrapped from the imagined returns `boot` (N,), with the same slow-critic regulariser;
-        feat (N, F) and critic_out (N, bins) are at the posterior states, N = B * T."""
-        shape = replay["reward"].shape  # (B, T)
-        boot = boot.reshape(shape)
-        returns = replay_lambda_return(replay["reward"], replay["is_last"], replay["is_terminal"], boot,
-                                       self.config.discount, self.config.discount_lambda)  # (B, T-1)
-        dist = self.critic.dist(critic_out.reshape(*shape, -1)[:, :-1])
-        loss = -dist.log_prob(returns)
-        if self.config.critic.slow_target:
-            with torch.no_grad():
-                slow = self.slow_critic(feat.reshape(*shape, -1)[:, :-1]).mean()
-            loss = loss - dist.log_prob(slow)
-        return ((1 - replay["is_last"][:, :-1]) * loss).mean()
-
-    @torch.no_grad()
-    def update_slow_critic(self):
-        """EMA of the critic's weights every slow_target_update updates."""
-        config = self.config.critic
-        if self.updates % config.slow_target_update == 0:
-            mix = config.slow_target_fraction
-            for slow, fast in zip(self.slow_critic.parameters(), self.critic.parameters()):
-                slow.mul_(1 - mix).add_(mix * fast)
-        self.updates += 1
-
-    def optimizer_state(self):
-        return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
-
-    def load_optimizer_state(self, state):
-        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
-        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])
+# ==================================================================================================
+# Choices and their `auto` values
+# ==================================================================================================
+
+# The choices this module owns, checked once when the config is parsed (tools.parse).
+CHOICES = {
+    "precision": (16, 32),
+    "opt": tuple(OPTIMIZERS),
+    "update": tuple(UPDATES),
+    "compile": ("auto", True, False),
+    "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
+    "critic.dist": VALUE_DISTS,
+    "reward_head.dist": VALUE_DISTS,
+}
+
+
+def resolve_auto(config, act_space):
+    """Settle the 'auto' keys this module owns: the actor's distribution and gradient from the
+    action space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot +
+    reinforce, continuous -> normal + dynamics) and compile from the device (on a CPU it measured no
+    faster than eager but adds a warm-up). Explicit values stay; an actor distribution that
+    contradicts the action space is a ConfigError. Returns the settled config (a new one) and the
+    keys that were 'auto', for the start-up summary. A settled config settles to itself."""
+    discrete = bool(getattr(act_space, "discrete", False))
+    dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
+    changes = {}
+    if config.actor.dist == "auto":
+        changes["actor.dist"] = dist
+    if config.imag_gradient == "auto":
+        changes["imag_gradient"] = gradient
+    if config.compile == "auto":
+        changes["compile"] = torch.device(config.device).type == "cuda"
+    chosen = changes.get("actor.dist", config.actor.dist)
+    if chosen != dist:
+        kind = "discrete" if discrete else "continuous"
+        raise tools.ConfigError(f"Invalid value '{chosen}' for --actor.dist: task '{config.task}' has {kind} "
+                                f"actions; use --actor.dist {dist} (or auto)")
+    if chosen == "normal" and config.actor.std != "learned":
+        try:
+            valid = float(config.actor.std) > 0
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise tools.ConfigError(f"Invalid value '{config.actor.std}' for --actor.std: the normal actor takes "
+                                    "'learned' or a fixed standard deviation > 0 ('none' is for onehot actors)")
+    return (config.replace(changes) if changes else config), list(changes)

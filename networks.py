@@ -1,7 +1,6 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
 import math
-import re
 import warnings
 
 import numpy as np
@@ -80,8 +79,6 @@ def reinit(module, winit):
     """Redraw every layer `init_` has seen under the initialisation rule `winit`, each with the
     scale it was built with. 'fan_avg' is what construction already did, so it leaves the
     weights (and the random stream) untouched."""
-    if winit not in WINITS:
-        raise ValueError(f"Unknown winit '{winit}'; valid: {', '.join(WINITS)}")
     if winit == "fan_avg":
         return module
     for m in module.modules():
@@ -204,12 +201,10 @@ class Actor(nn.Module):
     environment to clip (2024); 'onehot': categorical with `unimix` uniform mixture and
     straight-through samples."""
 
-    def __init__(self, inp, actions, config, act, norm):
+    def __init__(self, inp, actions, config, units, act, norm):  # config: the actor group
         super().__init__()
         self.kind = config.dist
-        if self.kind not in ("normal", "onehot"):
-            raise ValueError(f"Unknown actor dist '{self.kind}'; valid: normal, onehot")
-        self.mlp = MLP(inp, config.layers, config.units, act, norm)
+        self.mlp = MLP(inp, config.layers, units, act, norm)
         learned = self.kind == "normal" and config.std == "learned"
         self.out = init_(nn.Linear(self.mlp.outdim, actions * (2 if learned else 1)), config.outscale)
         self.learned_std = learned
@@ -401,21 +396,12 @@ class UpsampleConvDecoder(nn.Module):
         return x.reshape(*lead, *self.shape)
 
 
-def select_keys(obs_space, cnn_pattern, mlp_pattern):
-    """Image keys (rank 3) matching cnn_pattern and vector keys (rank <= 1) matching mlp_pattern."""
-    skip = ("is_first", "is_last", "is_terminal", "reward")
-    shapes = {k: v.shape for k, v in obs_space.items() if k not in skip and not k.startswith("log_")}
-    cnn = {k: s for k, s in shapes.items() if len(s) == 3 and re.match(cnn_pattern, k)}
-    mlp = {k: s for k, s in shapes.items() if len(s) in (0, 1) and re.match(mlp_pattern, k)}
-    return cnn, mlp
-
-
 class MultiEncoder(nn.Module):
     """Encodes image keys with one CNN (channels concatenated) and vector keys with one MLP."""
 
     def __init__(self, obs_space, config):
         super().__init__()
-        self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
+        self.cnn_shapes, self.mlp_shapes = tools.select_keys(obs_space, config.cnn_keys, config.mlp_keys)
         if not self.cnn_shapes and not self.mlp_shapes:
             keys = ", ".join(k for k in obs_space if k not in ("is_first", "is_last", "is_terminal"))
             raise ValueError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
@@ -424,11 +410,8 @@ class MultiEncoder(nn.Module):
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
-            if config.cnn not in ("strided", "pooled"):
-                raise ValueError(f"Unknown encoder.cnn '{config.cnn}'; valid: strided, pooled")
-            cls = ConvEncoder if config.cnn == "strided" else PooledConvEncoder
-            self.cnn = cls((height, width, channels), config.cnn_depth, config.kernel_size, config.minres,
-                           config.act, config.norm)
+            self.cnn = IMAGE_ENCODERS[config.cnn]((height, width, channels), config.cnn_depth, config.kernel_size,
+                                                  config.minres, config.act, config.norm)
             self.outdim += self.cnn.outdim
         if self.mlp_shapes:
             size = sum(int(np.prod(s)) for s in self.mlp_shapes.values())
@@ -451,13 +434,7 @@ class MultiDecoder(nn.Module):
 
     def __init__(self, feat_size, obs_space, config, deter_size=None):
         super().__init__()
-        self.cnn_shapes, self.mlp_shapes = select_keys(obs_space, config.cnn_keys, config.mlp_keys)
-        if config.cnn not in ("transposed", "upsample"):
-            raise ValueError(f"Unknown decoder.cnn '{config.cnn}'; valid: transposed, upsample")
-        if config.image_dist != "mse":
-            raise ValueError(f"Unknown decoder.image_dist '{config.image_dist}'; valid: mse")
-        if config.vector_dist not in ("symlog_mse", "mse"):
-            raise ValueError(f"Unknown decoder.vector_dist '{config.vector_dist}'; valid: symlog_mse, mse")
+        self.cnn_shapes, self.mlp_shapes = tools.select_keys(obs_space, config.cnn_keys, config.mlp_keys)
         if self.cnn_shapes:
             height, width = next(iter(self.cnn_shapes.values()))[:2]
             channels = sum(s[-1] for s in self.cnn_shapes.values())
@@ -472,7 +449,12 @@ class MultiDecoder(nn.Module):
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
             self.mlp_out = init_(nn.Linear(self.mlp.outdim, sum(self.sizes)), config.outscale)
-            self.vector_dist = tools.SymlogMSE if config.vector_dist == "symlog_mse" else tools.MSE
+            self.vector_dist = VECTOR_DISTS[config.vector_dist]
+
+    @property
+    def keys(self):
+        """The decoded observation keys, in the order of forward's output."""
+        return [*self.cnn_shapes, *self.mlp_shapes]
 
     def forward(self, feat):  # (B, T, F) -> {key: dist over (B, T, ...)}
         dists = {}
@@ -574,13 +556,9 @@ class RSSM(nn.Module):
         self.stoch, self.discrete, self.deter = config.dyn_stoch, config.dyn_discrete, config.dyn_deter
         self.unimix, self.rec_depth = config.unimix_ratio, config.dyn_rec_depth
         self.mean_act, self.std_act, self.min_std = config.dyn_mean_act, config.dyn_std_act, config.dyn_min_std
-        if config.initial not in ("learned", "zeros"):
-            raise ValueError(f"Unknown initial '{config.initial}'; valid: learned, zeros")
         self.initial_mode = config.initial
         stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
         hidden, act, norm = config.dyn_hidden, config.act, config.norm
-        if config.dyn_cell not in ("gru", "blockgru"):
-            raise ValueError(f"Unknown dyn_cell '{config.dyn_cell}'; valid: gru, blockgru")
         if config.dyn_cell == "gru":
             self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
             self.cell = GRUCell(hidden, self.deter, norm)
@@ -606,8 +584,7 @@ class RSSM(nn.Module):
         mean, std = x.chunk(2, -1)
         if self.mean_act == "tanh5":
             mean = 5.0 * torch.tanh(mean / 5.0)
-        std = {"softplus": nn.functional.softplus, "abs": lambda s: (s + 1.0).abs(),
-               "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}[self.std_act](std)
+        std = STD_ACTS[self.std_act](std)
         return {"mean": mean, "std": std + self.min_std}
 
     def dist(self, stats):
@@ -710,3 +687,33 @@ class RSSM(nn.Module):
         if self.discrete:
             return tools.kl_categorical(lhs["logit"], rhs["logit"])
         return tools.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])
+
+
+# How the RSSM bounds the standard deviation of Gaussian latents (dyn_std_act).
+STD_ACTS = {"softplus": nn.functional.softplus, "abs": lambda s: (s + 1.0).abs(),
+            "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}
+IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encoder.cnn
+VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vector_dist
+
+# The choices this module owns, checked once when the config is parsed (tools.parse); the
+# constructors take them on trust.
+CHOICES = {
+    "act": tuple(ACTIVATIONS),
+    "norm": NORMS,
+    "encoder.norm": NORMS,
+    "decoder.norm": NORMS,
+    "winit": WINITS,
+    "initial": ("learned", "zeros"),
+    "dyn_cell": ("gru", "blockgru"),
+    "dyn_mean_act": ("none", "tanh5"),
+    "dyn_std_act": tuple(STD_ACTS),
+    "encoder.cnn": tuple(IMAGE_ENCODERS),
+    "decoder.cnn": ("transposed", "upsample"),
+    "decoder.image_dist": ("mse",),
+    "decoder.vector_dist": tuple(VECTOR_DISTS),
+    "actor.dist": ("auto", "normal", "onehot"),  # auto: settled by models.resolve_auto
+}
+
+# The network bodies Dreamer.compile_steps compiles: every body a preset builds. Heads and the
+# actor compile through their MLP, the GRU cells through the RSSM's step functions.
+COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

@@ -14,6 +14,10 @@ in-process and in workers before training, for `--envs auto` / `--parallel auto`
 """
 
 import concurrent.futures
+import datetime
+import functools
+import itertools
+import json
 import multiprocessing
 import os
 import pickle
@@ -28,6 +32,8 @@ from multiprocessing import shared_memory
 
 import cloudpickle
 import numpy as np
+
+import envs
 
 # Observation arrays of at least this many bytes come back through shared memory, not the pipe.
 SHARED_MIN_BYTES = 1024
@@ -482,3 +488,541 @@ def measure_env(ctor, steps=200, workers=2, budget=5.0, seed=0):
         for worker in pool:
             worker.close()
     return out
+
+
+# ==================================================================================================
+# Experience collection: the environments of a run, stepped together under one policy
+# ==================================================================================================
+
+
+# Worker processes import this module and need neither torch nor the tools built on it: the parts
+# below import `tools` and `torch` where they use them.
+
+class Collector:
+    """Steps a list of environments together under one batched policy and records every step.
+
+    Each environment's steps go to its own replay stream; episodes are written to `directory`
+    (in chunks of `chunk_size` steps while they run: tools.EpisodeWriter) and their return and
+    length reported to `on_episode` when they end. With a replay `context`
+    (models.ReplayContext, replay_context > 0) each step also holds the latent the policy
+    computed on it, filled in once the policy has seen the step (zeros until then: the last step
+    of an episode keeps them).
+    """
+
+    def __init__(self, env_list, replay, directory, on_episode, action_repeat=1, context=None, chunk_size=0):
+        self.envs, self.replay, self.directory, self.on_episode = env_list, replay, directory, on_episode
+        # Per environment: its episode files, written in chunks of chunk_size steps as they fill.
+        if directory is not None:
+            import tools
+
+            self.writers = [tools.EpisodeWriter(directory, chunk_size) for _ in env_list]
+        else:
+            self.writers = None
+        self.action_repeat = action_repeat
+        self.context = context if context is not None and context.spec else None
+        self.newest = [None] * len(env_list)  # per environment: (step, replay id) of the step the policy sees next
+        self.obs = [None] * len(env_list)
+        self.episodes = [[] for _ in env_list]
+        self.state = None
+        self.dropped = 0  # episodes lost to environment workers that died
+        # Per environment: policy steps, finished episodes, last return; steps at the last status().
+        self.env_steps = [0] * len(env_list)
+        self.env_episodes = [0] * len(env_list)
+        self.env_returns = [float("nan")] * len(env_list)
+        self.status_mark = (time.time(), [0] * len(env_list), self.step_costs())
+        act_space = env_list[0].act_space
+        self.zero_action = np.zeros(act_space.shape, np.float32)
+        # Every step records its environment's task (index into the --task list; 0 with one task).
+        # In a run of several, a task may observe keys beyond those all share (envs.common_spaces):
+        # they are dropped.
+        self.tasks = [getattr(env, "task_index", 0) for env in env_list]
+        self.dropped_keys = [getattr(env, "dropped_keys", frozenset()) for env in env_list]
+
+    def _observe(self, index, obs):
+        drop = self.dropped_keys[index]
+        self.obs[index] = {k: v for k, v in obs.items() if k not in drop} if drop else obs
+        return self.obs[index]
+
+    def _record(self, index, obs, action, reward):
+        step = {k: np.asarray(v) for k, v in obs.items()}
+        step["action"] = np.asarray(action, np.float32)
+        step["reward"] = np.float32(reward)
+        step["task"] = np.int32(self.tasks[index])
+        if self.context is not None:
+            step.update({k: v[0] for k, v in self.context.entries(None, 1).items()})
+        self.episodes[index].append(step)
+        if self.writers is not None:
+            self.writers[index].add(self.episodes[index])
+        stepid = None
+        if self.replay is not None:
+            stepid = self.replay.add({k: v for k, v in step.items() if not k.startswith("log_")}, index)
+        self.newest[index] = (step, stepid)
+
+    def _store_latents(self, state):
+        """Attach the latents of the policy's `state` to the steps it just acted on."""
+        entries = self.context.entries(state, len(self.envs))  # (N, ...) each
+        for i, (step, _) in enumerate(self.newest):
+            step.update({k: v[i] for k, v in entries.items()})
+        if self.replay is not None:  # one step (L = 1) from each environment's newest id
+            self.replay.update([stepid for _, stepid in self.newest], {k: v[:, None] for k, v in entries.items()})
+
+    def _reset(self, indices):
+        futures = [(i, self.envs[i].reset()) for i in indices]
+        for i, future in futures:
+            self._record(i, self._observe(i, future()), self.zero_action, 0.0)
+
+    def step(self, policy):
+        """One policy step in every environment; returns the number of policy steps taken."""
+        self._reset([i for i, obs in enumerate(self.obs) if obs is None])
+        batch = {k: np.stack([obs[k] for obs in self.obs]) for k in self.obs[0] if not k.startswith("log_")}
+        actions, self.state = policy(batch, self.state)
+        if self.context is not None:
+            self._store_latents(self.state)
+        # All step at once: the workers' requests go out before in-process environments step here.
+        # (`in_process` of parallel.Damy / Parallel, forwarded by the wrappers; False sorts first.)
+        order = sorted(range(len(self.envs)), key=lambda i: getattr(self.envs[i], "in_process", True))
+        futures = {i: self.envs[i].step(actions[i]) for i in order}
+        done_indices = []
+        for i, action in enumerate(actions):
+            obs, reward, done, info = futures[i]()
+            obs = self._observe(i, obs)
+            if info.get("restarted"):  # the worker died and came back with a fresh episode
+                self.dropped += 1
+                self.episodes[i] = []
+                self._record(i, obs, self.zero_action, 0.0)
+                continue
+            self._record(i, obs, action, reward)
+            self.env_steps[i] += 1
+            if done:
+                self._finish(i)
+                done_indices.append(i)
+        for i in done_indices:
+            self.obs[i] = None
+        return len(self.envs)
+
+    def _finish(self, index):
+        steps = self.episodes[index]
+        episode = {k: np.stack([s[k] for s in steps]) for k in steps[0]}
+        if self.writers is not None:
+            self.writers[index].finish(episode)
+        self.episodes[index] = []
+        self.env_episodes[index] += 1
+        self.env_returns[index] = float(episode["reward"].sum())
+        self.on_episode(episode)
+
+    def step_costs(self):
+        """(seconds inside env.step, steps) per environment, as counted where each one runs."""
+        return [(getattr(env, "step_seconds", 0.0), getattr(env, "step_count", 0)) for env in self.envs]
+
+    def status(self):
+        """Per-environment steps, episodes, last return, frames per second and mean ms per step of the
+        environment itself (step_ms; NaN without steps) since the last call."""
+        now, (then, marks, costs) = time.time(), self.status_mark
+        seconds = max(now - then, 1e-9)
+        current = self.step_costs()
+        rows = [{"steps": steps, "episodes": episodes, "last_return": ret,
+                 "fps": (steps - mark) * self.action_repeat / seconds,
+                 "step_ms": 1e3 * (spent - spent0) / (count - count0) if count > count0 else float("nan")}
+                for steps, episodes, ret, mark, (spent, count), (spent0, count0)
+                in zip(self.env_steps, self.env_episodes, self.env_returns, marks, current, costs)]
+        self.status_mark = (now, list(self.env_steps), current)
+        return rows
+
+
+def make_envs(config, mode, count, first=0, weights=None, processes=None):
+    """Environments for `mode`, as many as `task_assignment` gives (`weights`: per task, see
+    envs.assign_tasks). `first`: the index (and seed offset) of the first one; under torchrun rank
+    k's training environments are k * envs ... (k + 1) * envs - 1, so that no two share a seed.
+    `processes`: {task: whether its environments run in worker processes} (by default
+    config.parallel for all; a Resources decision may place only the expensive tasks' environments
+    in workers). With several tasks every environment is wrapped to present the spaces the tasks
+    share (envs.wrappers.TaskEnv)."""
+    tasks = envs.parse_tasks(config.task)
+    assignment = envs.task_assignment(tasks, mode, count, weights)
+    ctors = [functools.partial(envs.make_env, config, mode, first + i, tasks[task])
+             for i, task in enumerate(assignment)]
+    in_worker = [bool(config.parallel) if processes is None else processes[tasks[task]] for task in assignment]
+    # The asynchronous actor steps the training environments from a thread of its own.
+    own_thread = config.asynchronous and mode == "train"
+    handles = [Parallel(ctor, i, restart=config.env_failure == "restart") if process
+               else Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, in_worker))]
+    if len(tasks) == 1:
+        return handles
+    try:
+        return wrap_tasks(config, tasks, handles, assignment)
+    except BaseException:
+        for env in handles:
+            env.close()
+        raise
+
+
+def wrap_tasks(config, tasks, handles, assignment):
+    """Each environment of a run of several tasks wrapped to present the spaces they share; a
+    ConfigError names the keys or actions that do not fit (envs.common_spaces)."""
+    import tools
+
+    one = {}  # task index -> one of its environments
+    for env, task in zip(handles, assignment):
+        one.setdefault(task, env)
+    present = sorted(one)
+    obs_spaces = [one[task].obs_space for task in present]
+    used = set()  # the keys the encoder and decoder read in some task
+    for space in obs_spaces:
+        for part in (config.encoder, config.decoder):
+            used.update(*tools.select_keys(space, part.cnn_keys, part.mlp_keys))
+    noops = [envs.noop_action(tasks[task]) for task in present]
+    try:
+        obs_space, act_space = envs.common_spaces([tasks[task] for task in present], obs_spaces,
+                                                  [one[task].act_space for task in present], used, noops)
+    except ValueError as e:
+        raise tools.ConfigError(str(e)) from None
+    return [envs.wrappers.TaskEnv(env, task, obs_space, act_space, envs.noop_action(tasks[task]))
+            for env, task in zip(handles, assignment)]
+
+
+def run_episodes(agent, env_list, count, directory):
+    """`count` episodes of each task among `env_list`, acting in mode 'eval': the task policy's
+    sample, or its mode with eval_sample False (episodes still running at the end are dropped)."""
+    finished = {task: [] for task in sorted({getattr(env, "task_index", 0) for env in env_list})}
+    collector = Collector(env_list, None, directory, lambda e: finished[int(e["task"][0])].append(e))
+    policy = functools.partial(agent.policy, mode="eval")
+    while any(len(episodes) < count for episodes in finished.values()):
+        collector.step(policy)
+    return [episode for episodes in finished.values() for episode in episodes[:count]]
+
+
+# ==================================================================================================
+# Resources: --envs auto and --parallel auto, from measured costs
+# ==================================================================================================
+
+
+# The decision takes the fewest environments, then the fewest worker processes, whose predicted
+# throughput is within this fraction of the best: more of either costs memory and start-up time
+# and buys nothing once the learner sets the pace.
+RESOURCE_TOLERANCE = 0.03
+
+
+def at_threads(costs, key, threads):
+    """A cost measured on max_threads torch threads (`key`) and on one (`key` with _1), at `threads`:
+    Amdahl's law through the two points, t(L) = t1 * (1 - share + share / L). On a loaded machine
+    more threads can be slower (a negative share); with one point (or on a GPU), that one."""
+    at_most, at_one, most = costs[key], costs.get(key.replace("_", "_1_", 1)), costs["max_threads"]
+    if costs.get("gpu") or at_one is None or most <= 1 or at_one <= 0:
+        return at_most
+    share = min((1 - at_most / at_one) / (1 - 1 / most), 1.0)  # the part that threads divide
+    return at_one * (1 - share + share / threads)
+
+
+def collection_seconds(costs, placement, cores):
+    """Seconds for one step of every environment, the policy excluded, on `cores` cores.
+
+    placement: [(task, in a worker process)] per environment. The parent sends to every worker,
+    steps the in-process environments itself, then collects: the step lasts as long as the longest
+    of the parent's serial work, the slowest worker, and all the work spread over the cores."""
+    ms_in, ms_worker, extra = costs["env_ms"], costs["worker_ms"], costs["extra_worker_ms"]
+    workers = [task for task, process in placement if process]
+    local = [task for task, process in placement if not process]
+    serial = sum(ms_in[task] for task in local) + len(workers) * extra
+    if not workers:
+        return serial / 1e3
+    slowest = max(ms_worker[task] for task in workers) + (len(workers) - 1) * extra
+    work = (sum(ms_worker[task] for task in workers) + sum(ms_in[task] for task in local)) / max(cores, 1)
+    return max(serial, slowest, work) / 1e3
+
+
+def predict_steps_per_s(costs, placement, threads, updates_per_step, asynchronous):
+    """Policy steps per second of one candidate (`placement` as in collection_seconds, the learner on
+    `threads` torch threads) and what bounds it: 'learner' or 'environments'.
+
+    Synchronous: the environments (with the policy) and the learner take turns, each with every core,
+    so their times add. Asynchronous: they overlap, the learner on `threads` cores (one on a GPU)
+    and the environments on the rest; the limiter runs both at the slower one's pace."""
+    n, cores = len(placement), costs["cores"]
+    learn = n * updates_per_step * at_threads(costs, "update_s", threads)
+    env_cores = cores - (1 if costs.get("gpu") else threads)
+    if not asynchronous or env_cores < 1:  # with no core to spare, the two take turns anyway
+        policy = at_threads(costs, "policy_ms", threads) + at_threads(costs, "policy_extra_ms", threads) * (n - 1)
+        collect = policy / 1e3 + collection_seconds(costs, placement, cores)
+        return n / (collect + learn), "learner" if learn >= collect else "environments"
+    # The actor thread runs the policy on one torch thread (AsyncLoop.act).
+    policy = at_threads(costs, "policy_ms", 1) + at_threads(costs, "policy_extra_ms", 1) * (n - 1)
+    collect = policy / 1e3 + collection_seconds(costs, placement, env_cores)
+    return n / max(collect, learn), "learner" if learn >= collect else "environments"
+
+
+def split_envs(count, tasks, costs):
+    """Environments per task: equal shares, the remainder to the most expensive tasks first."""
+    order = sorted(tasks, key=lambda task: -costs["env_ms"][task])
+    return {task: count // len(tasks) + (order.index(task) < count % len(tasks)) for task in tasks}
+
+
+def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynchronous=False,
+                     envs=None, parallel=None, threads=None, max_envs=None, steps=None):
+    """How many environments, which tasks' environments run in worker processes, and the learner's
+    torch threads (on a CPU), for the most policy steps per second predicted from measured `costs`.
+
+    A pure function of its arguments (tests pass stand-in costs). `costs`: env_ms and worker_ms
+    {task: ms per step in-process / round trip to one worker}, extra_worker_ms (what each further
+    worker adds to a step), policy_ms (batch of one), policy_extra_ms (per further environment) and
+    update_s (one update), each on max_threads torch threads and optionally on one (policy_1_ms,
+    policy_1_extra_ms, update_1_s; see at_threads), cores, max_threads, gpu. The learner needs
+    train_ratio / (batch_size * batch_length) updates per policy step. `envs`, `parallel` and
+    `threads` given are kept. With the run's length in policy steps (`steps`), the workers' start-up
+    (worker_start_s; they start together) counts against the rate: a short run may not earn it back.
+    Among the candidates within RESOURCE_TOLERANCE of the best, the fewest
+    environments and then the fewest worker processes win. Expensive tasks get the worker processes
+    (and any remainder environment) first: a cheap task may do better in-process, where a step
+    costs no round trip.
+
+    Returns {envs, parallel (True, False or 'mixed'), threads (None on a GPU: left alone),
+    tasks: {task: {envs, processes}}, steps_per_s, bound}."""
+    updates_per_step = train_ratio / (batch_size * batch_length)
+    most = max(1, int(costs["max_threads"]))
+    if envs is not None:
+        counts = [envs]
+    else:
+        counts = range(len(tasks), max(max_envs or max(4, 2 * costs["cores"]), len(tasks)) + 1)
+    if parallel is not None:
+        flag_sets = [(parallel,) * len(tasks)]
+    elif len(tasks) > 6:  # 2^tasks placements; beyond a few tasks all or none
+        flag_sets = [(False,) * len(tasks), (True,) * len(tasks)]
+    else:
+        flag_sets = list(itertools.product((False, True), repeat=len(tasks)))
+    thread_options = [threads or most] if threads is not None or costs.get("gpu") else range(1, most + 1)
+    candidates = []
+    for count in counts:
+        per_task = split_envs(count, tasks, costs)
+        for flags in flag_sets:
+            placement = [(task, flag) for task, flag in zip(tasks, flags) for _ in range(per_task[task])]
+            for option in thread_options:
+                rate, bound = predict_steps_per_s(costs, placement, option, updates_per_step, asynchronous)
+                processes = sum(process for _, process in placement)
+                if steps and processes:
+                    rate = steps / (steps / rate + costs["worker_start_s"])
+                candidates.append((rate, bound, count, processes, option, per_task, flags))
+    best = max(c[0] for c in candidates)
+    good = [c for c in candidates if c[0] >= (1 - RESOURCE_TOLERANCE) * best]
+    # Ties (threads not measured on one) keep the threads the learner was measured on.
+    rate, bound, count, processes, option, per_task, flags = min(good, key=lambda c: (c[2], c[3], -c[0], -c[4]))
+    mode = True if all(flags) else False if not any(flags) else "mixed"
+    return {"envs": count, "parallel": mode, "threads": None if costs.get("gpu") else option,
+            "tasks": {task: {"envs": per_task[task], "processes": flag} for task, flag in zip(tasks, flags)},
+            "steps_per_s": rate, "bound": bound}
+
+
+def dummy_batch(obs_space, act_space, batch_size, batch_length, seed=0):
+    """A replayed batch (B, T, ...) of random observations and actions, for timing updates."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for key, space in obs_space.items():
+        shape = (batch_size, batch_length, *space.shape)
+        if np.dtype(space.dtype) == np.uint8:
+            data[key] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif np.dtype(space.dtype) == bool:
+            data[key] = np.zeros(shape, bool)
+        else:
+            data[key] = rng.normal(size=shape).astype(np.float32)
+    data["is_first"][:, 0] = True
+    data["action"] = np.stack([random_action(act_space, rng) for _ in range(batch_size * batch_length)])
+    data["action"] = data["action"].reshape(batch_size, batch_length, -1)
+    data["reward"] = rng.normal(size=(batch_size, batch_length)).astype(np.float32)
+    return data
+
+
+def measure_costs(config, tasks, max_threads, make_agent):
+    """The costs `decide_resources` takes: each task's environment in-process and in workers
+    (parallel.measure_env), and the policy and a few updates of a fresh, uncompiled agent on a
+    dummy batch (thrown away afterwards; the run's random state is kept). make_agent(obs_space,
+    act_space, config) builds the agent (this module knows nothing of models)."""
+    import torch
+
+    import tools
+
+    costs = {"env_ms": {}, "worker_ms": {}, "cores": available_cores(), "max_threads": max_threads}
+    extra, starts = [], []
+    for task in tasks:
+        measured = measure_env(functools.partial(envs.make_env, config, "train", 0, task), seed=config.seed)
+        costs["env_ms"][task], costs["worker_ms"][task] = measured["step_ms"], measured["worker_ms"]
+        extra.append(measured["extra_worker_ms"])
+        starts.append(measured["worker_start_s"])
+    costs["extra_worker_ms"], costs["worker_start_s"] = float(np.mean(extra)), max(starts)
+    costs["gpu"] = torch.device(config.device).type == "cuda"
+    with tools.kept_random_state():
+        agent = make_agent(measured["obs_space"], measured["act_space"], config.replace(compile=False))
+        costs.update(time_agent(agent.to(config.device), measured["obs_space"], measured["act_space"], config,
+                                max_threads, costs["gpu"]))
+        del agent
+    if costs["gpu"]:
+        torch.cuda.empty_cache()
+    return costs
+
+
+def time_agent(agent, obs_space, act_space, config, max_threads, gpu):
+    """policy_ms at a batch of one, policy_extra_ms per further observation and update_s (one update,
+    after one warm-up update) on max_threads torch threads, and the same on one thread (policy_1_ms, ...)."""
+    import torch
+
+    obs = {k: np.stack([space.sample() for _ in range(4)]) for k, space in obs_space.items()}
+
+    def policy_ms(n, calls=10):
+        batch = {k: v[:n] for k, v in obs.items()}
+        agent.policy(batch, None)  # warm-up
+        start = time.perf_counter()
+        for _ in range(calls):
+            agent.policy(batch, None)
+        return 1e3 * (time.perf_counter() - start) / calls
+
+    batch = dummy_batch(obs_space, act_space, config.batch_size, config.batch_length)
+
+    def update_s(count):
+        start = time.perf_counter()
+        for _ in range(count):
+            agent.train_step(batch)
+        if gpu:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / count
+
+    # On max_threads and on one thread: which is faster depends on the model and on the machine's load
+    # (a loaded 2-core machine measured a small model's update 17x slower on 2 threads than on 1).
+    options = ((1, "_1"), (max_threads, "")) if max_threads > 1 and not gpu else ((max_threads, ""),)
+    torch.set_num_threads(options[0][0])
+    update_s(1)  # warm-up (first-call allocations), on the thread count that is likely cheaper
+    out = {}
+    for threads, tag in options:
+        torch.set_num_threads(threads)
+        out[f"policy{tag}_ms"] = policy_ms(1)
+        out[f"policy{tag}_extra_ms"] = max(0.0, (policy_ms(4) - out[f"policy{tag}_ms"]) / 3)
+        out[f"update{tag}_s"] = update_s(1)
+    torch.set_num_threads(max_threads)
+    return out
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Resources:
+    """Settles `--envs auto` and `--parallel auto` before the environments are built.
+
+    Measures what the environments and the learner cost (`measure_costs`), or reuses the decision
+    saved in the logdir's resources.json by an earlier start of the run with the same settings,
+    decides (`decide_resources`), sets the learner's torch threads on a CPU (unless OMP_NUM_THREADS
+    fixes them), and reports the costs and the decision in the start-up summary and in the logdir.
+    Explicit values win: only the keys that are 'auto' change."""
+
+    FILE = "resources.json"
+
+    def __init__(self, config, logdir, make_agent):
+        self.config, self.path, self.make_agent = config, logdir / self.FILE, make_agent
+        self.auto = [key for key in ("envs", "parallel") if getattr(config, key) == "auto"]
+        self.record, self.lines = None, []
+
+    def settings(self):
+        """What the decision depends on besides the measured costs; another value re-measures."""
+        import torch
+
+        config = self.config
+        return {"task": config.task, "train_ratio": config.train_ratio, "batch_size": config.batch_size,
+                "batch_length": config.batch_length, "asynchronous": bool(config.asynchronous),
+                "device": torch.device(config.device).type, "cores": available_cores()}
+
+    def settle(self):
+        """The config with envs and parallel settled (a new one; the same without 'auto')."""
+        import torch
+
+        config = self.config
+        if not self.auto:
+            return config
+        if config.offline_traindir or config.eval_only:  # nothing is collected: one evaluation env, in-process
+            self.config = config.replace({key: value for key, value in (("envs", 1), ("parallel", False))
+                                          if key in self.auto})
+            self.lines = ["Resources: auto: nothing to collect, 1 environment in-process"]
+            return self.config
+        start = time.time()
+        self.record = self.load()
+        reused = self.record is not None
+        if not reused:
+            fixed_threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else None
+            tasks = envs.parse_tasks(config.task)  # each task of a list is measured on its own
+            print(f"Resources: measuring for {', '.join(self.auto)} auto: the environment in-process and in workers, "
+                  "then the policy and a few updates (about a minute at full size on a CPU)", flush=True)
+            costs = measure_costs(config, tasks, torch.get_num_threads(), self.make_agent)
+            decision = decide_resources(
+                costs, tasks, config.train_ratio, config.batch_size, config.batch_length, config.asynchronous,
+                envs=None if config.envs == "auto" else config.envs,
+                parallel=None if config.parallel == "auto" else config.parallel, threads=fixed_threads,
+                steps=max(1, (config.steps - config.prefill) // config.action_repeat))
+            self.record = {"settings": self.settings(), "costs": costs, "decision": decision,
+                           "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "measure_s": round(time.time() - start, 1)}
+        decision = self.record["decision"]
+        self.config = config.replace({key: decision[key] is True if key == "parallel" else decision[key]
+                                      for key in self.auto})
+        if decision["threads"] and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(decision["threads"])
+        self.lines = self.describe(reused)
+        return self.config
+
+    def load(self):
+        """The saved record if it was made with this run's settings; None to measure afresh."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("settings") != self.settings() or "decision" not in record:
+            return None
+        return record
+
+    def describe(self, reused):
+        config, costs, decision = self.config, self.record["costs"], self.record["decision"]
+        where = {True: "in worker processes", False: "in-process", "mixed": "some in worker processes"}
+        count = decision["threads"]
+        threads = f"learner on {count} torch thread{'s' * (count > 1)}" if count else "learner threads left alone (GPU)"
+        how = (f"reused from {self.path} (measured {self.record['measured']}; pass --envs and --parallel to choose)"
+               if reused else f"measured in {self.record['measure_s']:.0f} s")
+        updates = config.train_ratio / (config.batch_size * config.batch_length)
+        fps = decision["steps_per_s"] * config.action_repeat
+        lines = [f"Resources: {', '.join(self.auto)} auto, {how}: {decision['envs']} environment"
+                 f"{'s' * (decision['envs'] > 1)} "
+                 f"{where[decision['parallel']]}, {threads}; predicted {fps:.1f} frames/s, {decision['bound']}-bound"]
+        for task in costs["env_ms"]:
+            lines.append(f"  {task}: step {costs['env_ms'][task]:.2f} ms in-process, {costs['worker_ms'][task]:.2f} ms "
+                         f"in a worker; {decision['tasks'][task]['envs']} of the environments")
+        one = (f" ({costs['update_1_s']:.3f} s and {costs['policy_1_ms']:.2f} ms on 1)"
+               if costs.get("update_1_s") else "")
+        lines.append(f"  each further worker +{costs['extra_worker_ms']:.2f} ms per step, worker start "
+                     f"{costs['worker_start_s']:.1f} s; policy {costs['policy_ms']:.2f} ms "
+                     f"(+{costs['policy_extra_ms']:.2f} ms per environment); "
+                     f"update {costs['update_s']:.3f} s, on {costs['max_threads']} threads{one}; "
+                     f"{updates:.4g} updates per policy step; {costs['cores']} cores")
+        return lines
+
+    def weights(self):
+        """Per task of --task, the weights that make envs.assign_tasks give each task the number of
+        environments decided (None without a decision: round-robin). assign_tasks gives every task
+        one and the rest in proportion to the weights by largest remainder, so `count - 1` (plus a
+        hair, as weights must be positive) reproduces the counts exactly."""
+        if self.record is None:  # with --envs given and --parallel auto the split is still the decision's
+            return None
+        counts = self.record["decision"]["tasks"]
+        return [counts[task]["envs"] - 1 + 1e-6 for task in envs.parse_tasks(self.config.task)]
+
+    def processes(self):
+        """{task: whether its environments run in worker processes} (for make_envs); None
+        (config.parallel for all) without a decision or with --parallel given."""
+        if self.record is None or "parallel" not in self.auto:
+            return None
+        return {task: placement["processes"] for task, placement in self.record["decision"]["tasks"].items()}
+
+    def save(self):
+        if self.record is not None:
+            import tools
+
+            tools.atomic_write_bytes(self.path, json.dumps(self.record, indent=2).encode())
+
+
+# The choices this module owns, checked once when the config is parsed.
+CHOICES = {
+    "env_failure": ("restart", "stop"),
+    "parallel": ("auto", True, False),  # auto: settled by Resources
+}

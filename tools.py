@@ -1,25 +1,34 @@
-"""Shared building blocks, in five sections (in this order):
+"""Shared building blocks, in six sections (in this order):
 
 1. Distributions: symlog/symexp, two-hot, one-hot with unimix, bounded normal, MSE heads.
 2. Replay: episode files written atomically as .npz (in chunks while an episode runs), and the
    sequence replay buffer.
-3. Logging: TensorBoard + metrics.jsonl, videos, atomic checkpoint files, write errors.
+3. Logging: TensorBoard, metrics.jsonl, metrics.csv and W&B back ends, videos, atomic checkpoint
+   files, write errors.
 4. Schedules: the counters that decide when to train, log and evaluate, the checkpoint clock, and
    the asynchronous loop's samples-per-insert rate limiter.
 5. Processes: one training process, or one of several started by torchrun (data parallel), and
    the stops and saves they agree on.
+6. Configuration: the read-only Config, presets, command-line parsing and checks, the saved config.
 
 Nothing here knows about the world model or the environments.
 """
 
+import argparse
 import collections
+import contextlib
+import copy
+import ctypes
 import datetime
+import difflib
 import errno
 import io
 import json
 import os
 import pathlib
 import pickle
+import random
+import re
 import signal
 import sys
 import threading
@@ -609,6 +618,20 @@ class Replay:
         return out, first
 
 
+def strip_logs(episode):
+    """Replay keeps what the model trains on; `log_*` keys only feed the suite metrics."""
+    return {k: v for k, v in episode.items() if not k.startswith("log_")}
+
+
+def select_keys(obs_space, cnn_pattern, mlp_pattern):
+    """Image keys (rank 3) matching cnn_pattern and vector keys (rank <= 1) matching mlp_pattern."""
+    skip = ("is_first", "is_last", "is_terminal", "reward")
+    shapes = {k: v.shape for k, v in obs_space.items() if k not in skip and not k.startswith("log_")}
+    cnn = {k: s for k, s in shapes.items() if len(s) == 3 and re.match(cnn_pattern, k)}
+    mlp = {k: s for k, s in shapes.items() if len(s) in (0, 1) and re.match(mlp_pattern, k)}
+    return cnn, mlp
+
+
 # ==================================================================================================
 # 3. Logging and checkpoint files
 # ==================================================================================================
@@ -795,31 +818,218 @@ def lock_logdir(logdir):
     return f
 
 
-class Logger:
-    """Scalars and videos to TensorBoard and scalars to `metrics.jsonl`, written at `write()`.
+def video_frames(video):
+    """video: (B, T, H, W, C) uint8 or float in [0, 1] -> (T, H, B * W, C) uint8, the batch entries
+    laid side by side, as every back end shows it."""
+    video = np.asarray(video)
+    if np.issubdtype(video.dtype, np.floating):
+        video = np.clip(255 * video, 0, 255).astype(np.uint8)
+    batch, time, height, width, channels = video.shape
+    return video.transpose(1, 2, 0, 3, 4).reshape(time, height, batch * width, channels)
 
-    Scalars may be tensors; they are converted to floats only when written, so the training step
-    never waits on the device for logging.
-    """
 
-    def __init__(self, logdir, step=0):
+def _video_warning(name, error):
+    warnings.warn(f"Could not write video {name}: {error}", stacklevel=3)
+
+
+class TensorBoardOutput:
+    """Scalars, videos and text as TensorBoard events in the logdir."""
+
+    def __init__(self, logdir, step, config):
         from torch.utils.tensorboard import SummaryWriter
 
+        # A resumed run continues its curves: events written after the checkpoint are dropped.
+        self.writer = SummaryWriter(str(logdir), purge_step=step if step else None, max_queue=1000)
+
+    def write(self, step, scalars, videos):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8
+            try:
+                self.writer.add_video(name, frames[None].transpose(0, 1, 4, 2, 3), step, fps=16)
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.writer.flush()
+
+    def text(self, name, value, step):
+        self.writer.add_text(name, value, step)
+
+    def close(self):
+        self.writer.close()
+
+
+class JsonlOutput:
+    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}."""
+
+    def __init__(self, logdir, step, config):
+        self.path = pathlib.Path(logdir) / "metrics.jsonl"
+        if step and self.path.exists():  # a resumed run drops what came after its checkpoint
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            atomic_write_bytes(self.path, "".join(line + "\n" for line in keep).encode())
+
+    def write(self, step, scalars, videos):
+        if scalars:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **scalars}) + "\n")
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+class CsvOutput:
+    """metrics.csv: the rows of metrics.jsonl as one flat table, a column per metric (step first,
+    then in the order metrics first appear), an empty cell where a row lacks a metric.
+
+    A row is appended while the header holds all its metrics. A metric that appears later (eval/
+    after the first evaluation) widens the header: the file is then rewritten whole, atomically,
+    which happens only the few times a new name turns up.
+    """
+
+    def __init__(self, logdir, step, config):
+        import csv
+
+        self.csv = csv
+        self.path = pathlib.Path(logdir) / "metrics.csv"
+        self.columns, rows = ["step"], []
+        if self.path.exists():
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self.columns = list(reader.fieldnames or ["step"])
+                rows = list(reader)
+            if step:  # a resumed run drops what came after its checkpoint
+                kept = [row for row in rows if float(row["step"]) <= step]
+                if len(kept) < len(rows):
+                    self._rewrite(kept)
+
+    def _rewrite(self, rows):
+        buffer = io.StringIO()
+        writer = self.csv.DictWriter(buffer, self.columns, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_bytes(self.path, buffer.getvalue().encode())
+
+    def write(self, step, scalars, videos):
+        if not scalars:
+            return
+        row = {"step": step, **{name: repr(float(value)) for name, value in scalars.items()}}
+        new = [name for name in row if name not in self.columns]
+        if new or not self.path.exists():
+            rows = []
+            if self.path.exists():
+                with self.path.open(newline="") as f:
+                    rows = list(self.csv.DictReader(f))
+            self.columns += new
+            self._rewrite([*rows, row])
+            return
+        with self.path.open("a", newline="") as f:
+            self.csv.DictWriter(f, self.columns, restval="", lineterminator="\n").writerow(row)
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+WANDB_MISSING = "--logger wandb needs the wandb package, which is not installed: pip install wandb"
+
+
+class WandbOutput:
+    """A Weights & Biases run: the saved config as the run's config, scalars, videos (where
+    video_pred_log is on) and text, against the frame count `step`.
+
+    The run's id is kept in logdir/wandb_id.txt, so a resumed training run continues the same W&B
+    run. W&B refuses steps that go backwards, and a resumed run repeats the frames between its
+    checkpoint and the kill: every value is therefore logged with `step` as its x axis (the
+    metric "step", defined as the step metric of all others) rather than as W&B's own step, so the
+    repeated frames show up as a short overlap instead of being dropped. WANDB_MODE=offline keeps
+    the run on disk (logdir/wandb/) for a later `wandb sync`.
+    """
+
+    ID_FILE = "wandb_id.txt"
+
+    @staticmethod
+    def check():
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError(WANDB_MISSING) from None
+
+    def __init__(self, logdir, step, config):
+        import wandb
+
+        self.wandb = wandb
+        logdir = pathlib.Path(logdir)
+        config = config or {}
+        options = config.get("wandb") or {}
+        id_file = logdir / self.ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+            atomic_write_bytes(id_file, (run_id + "\n").encode())
+        self.run = wandb.init(
+            project=options.get("project") or None, entity=options.get("entity") or None,
+            group=options.get("group") or None, name=options.get("name") or logdir.resolve().name,
+            tags=list(options.get("tags") or []) or None, id=run_id, resume="allow", dir=str(logdir),
+            config=config, settings=wandb.Settings(console="off"))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, step, scalars, videos):
+        data = {"step": step, **scalars}
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8; W&B takes (T, C, H, W)
+            try:
+                data[name] = self.wandb.Video(frames.transpose(0, 3, 1, 2), fps=16, format="mp4")
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.run.log(data)
+
+    def text(self, name, value, step):
+        self.run.log({"step": step, name: self.wandb.Html(f"<pre>{value}</pre>")})
+
+    def close(self):
+        self.run.finish()
+
+
+# --logger names -> back ends; tools.check_loggers validates a list of them.
+LOGGERS = {"tensorboard": TensorBoardOutput, "jsonl": JsonlOutput, "csv": CsvOutput, "wandb": WandbOutput}
+
+
+def check_loggers(names):
+    """Raise ValueError, in one line, for a --logger list that names an unknown back end, names
+    none, or names one whose package is missing (wandb is optional). Writes nothing."""
+    valid = ", ".join(LOGGERS)
+    if isinstance(names, str) or not names:
+        raise ValueError(f"Invalid value '{names if isinstance(names, str) else ''}' for --logger; valid: one or "
+                         f"more of {valid}, comma-separated")
+    for name in names:
+        if name not in LOGGERS:
+            raise ValueError(f"Invalid value '{name}' for --logger; valid: one or more of {valid}, comma-separated")
+    for name in dict.fromkeys(names):
+        check = getattr(LOGGERS[name], "check", None)
+        if check:
+            check()
+
+
+class Logger:
+    """Scalars and videos, collected between writes and sent at `write()` to each back end of
+    `outputs` (names of LOGGERS: TensorBoard events, metrics.jsonl, metrics.csv, W&B).
+
+    Scalars may be tensors; they are converted to floats only when written, so the training step
+    never waits on the device for logging. `config` is the run's config as a dict (W&B's run
+    config and options).
+    """
+
+    def __init__(self, logdir, step=0, outputs=("tensorboard", "jsonl"), config=None):
+        check_loggers(list(outputs))
         self.logdir = pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues its curves: events written after the checkpoint are dropped.
-        self.writer = SummaryWriter(str(self.logdir), purge_step=step if step else None, max_queue=1000)
-        self.jsonl = self.logdir / "metrics.jsonl"
-        if step:
-            self._truncate_jsonl(step)
+        self.outputs = [LOGGERS[name](self.logdir, step, config) for name in dict.fromkeys(outputs)]
         self.scalars = collections.defaultdict(list)
         self.videos = {}
-
-    def _truncate_jsonl(self, step):
-        if not self.jsonl.exists():
-            return
-        keep = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        atomic_write_bytes(self.jsonl, "".join(line + "\n" for line in keep).encode())
 
     def scalar(self, name, value):
         self.scalars[name].append(value)
@@ -831,35 +1041,20 @@ class Logger:
         values = {}
         for name, items in self.scalars.items():
             values[name] = float(torch.as_tensor([float(v) for v in items], dtype=torch.float64).mean())
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
-        for name, video in self.videos.items():
-            self._write_video(name, video, step)
-        if values:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **values}) + "\n")
-        self.writer.flush()
+        videos = {name: video_frames(video) for name, video in self.videos.items()}
+        for output in self.outputs:
+            output.write(step, values, videos)
         self.scalars.clear()
         self.videos.clear()
         return values
 
-    def _write_video(self, name, video, step):
-        """video: (B, T, H, W, C) uint8 or float in [0, 1]; batch entries are laid side by side."""
-        video = np.asarray(video)
-        if np.issubdtype(video.dtype, np.floating):
-            video = np.clip(255 * video, 0, 255).astype(np.uint8)
-        batch, time, height, width, channels = video.shape
-        frames = video.transpose(1, 2, 0, 3, 4).reshape(1, time, height, batch * width, channels)
-        try:
-            self.writer.add_video(name, frames.transpose(0, 1, 4, 2, 3), step, fps=16)
-        except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
-            warnings.warn(f"Could not write video {name}: {e}", stacklevel=2)
-
     def text(self, name, value, step):
-        self.writer.add_text(name, value, step)
+        for output in self.outputs:
+            output.text(name, value, step)
 
     def close(self):
-        self.writer.close()
+        for output in self.outputs:
+            output.close()
 
 
 class NullLogger:
@@ -879,6 +1074,107 @@ class NullLogger:
 
     def close(self):
         pass
+
+
+class Progress:
+    """One updating line (tqdm) in a terminal; a plain line at every log when stdout is a file."""
+
+    def __init__(self, total, initial, interactive=None):
+        from tqdm import tqdm
+
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.total = total
+        self.bar = tqdm(total=total, initial=initial, unit="frame", dynamic_ncols=True, disable=not self.interactive)
+        self.stats = {}
+
+    def update(self, frames, **stats):
+        self.stats.update({k: v for k, v in stats.items() if v is not None})
+        if self.interactive:
+            self.bar.update(frames - self.bar.n)
+            self.bar.set_postfix({k: self.format(k, v) for k, v in self.stats.items()}, refresh=False)
+
+    @staticmethod
+    def format(key, value):
+        return f"{value:.0%}" if key.endswith("_busy") else f"{value:.1f}"
+
+    def line(self, frames):
+        """The plain progress line: frames, rates, last returns and ETA."""
+        fps = self.stats.get("fps", 0.0)
+        eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
+        parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
+        parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
+        return " | ".join(parts + [f"ETA {eta}"])
+
+    def log(self, frames):
+        if not self.interactive:
+            print(self.line(frames), flush=True)
+
+    def close(self):
+        self.bar.close()
+
+
+class Phase:
+    """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
+    in a terminal; in a log file a plain line when it starts, after its first step and then every
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence.
+    A heartbeat thread keeps the lines (and the bar's clock) coming while one step takes long, such
+    as a full-size update on a loaded CPU or a compilation."""
+
+    def __init__(self, name, total, unit, interactive, every=10.0):
+        from tqdm import tqdm
+
+        self.name, self.total, self.unit, self.interactive, self.every = name, total, unit, interactive, every
+        self.done, self.start = 0, time.time()
+        self.last = self.start
+        self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True, leave=False, disable=not interactive)
+        if not interactive:
+            print(f"{name}: 0/{total} {unit}s", flush=True)
+        self.stopped = threading.Event()
+        if every > 0:
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        while not self.stopped.wait(self.every):
+            if self.interactive:
+                self.bar.refresh()
+            elif time.time() - self.last >= self.every:
+                self.last = time.time()
+                print(self.line(self.last), flush=True)
+
+    def update(self, done):
+        self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        # The first step gives the rate (and ETA) as soon as it is known; then every `every` seconds.
+        if not self.interactive and (self.last == self.start or now - self.last >= self.every):
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def line(self, now):
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = datetime.timedelta(seconds=int((self.total - self.done) / rate)) if rate > 0 else "?"
+        percent = 100 * self.done / max(self.total, 1)
+        return (f"{self.name}: {self.done}/{self.total} {self.unit}s ({percent:.0f}%) | "
+                f"{rate:.2f} {self.unit}s/s | elapsed {datetime.timedelta(seconds=int(elapsed))} | ETA {eta}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):
+        self.close(finished=error is None)
+
+    def close(self, finished=True):
+        self.stopped.set()
+        self.bar.close()
+        if not finished:  # an error is on its way up; no "done" line
+            return
+        seconds = time.time() - self.start
+        message = f"{self.name}: done, {self.done} {self.unit}s in {seconds:.1f} s"
+        if self.interactive:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
 
 
 # ==================================================================================================
@@ -1255,3 +1551,311 @@ def processes(device, timeout=1800):
     if found is None:
         return SingleProcess()
     return Distributed(*found, device, timeout)
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """The measurement draws random numbers; the run starts from the state it would have without it."""
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def resolve_device(config):
+    """Fall back to the CPU where CUDA is absent. Returns the config (a new one when it falls back)
+    and the reason, for the start-up summary (None when the device is there)."""
+    try:
+        device = torch.device(config.device)
+    except RuntimeError:
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: cpu, cuda, cuda:<index>") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return config.replace(device="cpu"), "CUDA is not available"
+    return config, None
+
+
+def seed_everything(seed, deterministic):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses otherwise
+        torch.use_deterministic_algorithms(True)
+
+
+def keep_freed_memory():
+    """Have glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default glibc serves every block over 32 MB with a fresh mmap and unmaps it when freed, so
+    each of the update's large activations is paid again in page faults: 4-10% of a CPU update in
+    benchmarks/train_speed.py (--no_malloc_tuning), a quarter of the CNN's forward and backward.
+    Returns whether the setting took effect (False off glibc, e.g. on macOS).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+# ==================================================================================================
+# 6. Configuration
+# ==================================================================================================
+
+CONFIG_FILE = pathlib.Path(__file__).parent / "configs.yaml"
+
+
+class Config:
+    """Read-only nested settings (`config.actor.lr`). A run settles its config once at start-up
+    (every `auto` resolved, through `replace`, which returns a new Config) and then never assigns
+    to it: an assignment raises, so that no part of the run sees a value another part changed."""
+
+    def __init__(self, mapping):
+        for key, value in mapping.items():
+            object.__setattr__(self, key, Config(value) if isinstance(value, dict) else value)
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"the config is read-only once settled: cannot set '{key}' (use config.replace)")
+
+    def __delattr__(self, key):
+        raise AttributeError(f"the config is read-only once settled: cannot delete '{key}'")
+
+    def replace(self, changes=None, **more):
+        """A new Config with `changes` ({dotted key: value}, or keyword arguments) applied."""
+        tree = self.to_dict()
+        for key, value in {**(changes or {}), **more}.items():
+            node = tree
+            *parents, leaf = key.split(".")
+            for parent in parents:
+                node = node[parent]
+            if leaf not in node:
+                raise KeyError(f"no config key '{key}'")
+            node[leaf] = value
+        return Config(tree)
+
+    def to_dict(self):
+        return {k: v.to_dict() if isinstance(v, Config) else copy.deepcopy(v) for k, v in vars(self).items()}
+
+    def __repr__(self):
+        return f"Config({self.to_dict()})"
+
+
+class ConfigError(ValueError):
+    """A user mistake on the command line or in a preset: reported in one line, exit status 2."""
+
+
+def load_presets(path=CONFIG_FILE):
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(pathlib.Path(path).read_text())
+
+
+def merge(base, update):
+    """Recursive merge: nested groups merge key by key, everything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def flatten(mapping, prefix=""):
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def valid_regex(text):
+    try:
+        re.compile(text)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def parse_bool(text):
+    lookup = {"true": True, "1": True, "false": False, "0": False}
+    if text.lower() not in lookup:
+        raise ValueError("expected True/False/true/false/1/0")
+    return lookup[text.lower()]
+
+
+def parse_number(text, like):
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if isinstance(like, int) and value.is_integer() and "." not in text and "e-" not in text.lower():
+        return int(value)
+    return value
+
+
+def parse_value(text, default):
+    """Convert a command-line string to the type of the key's current value."""
+    if isinstance(default, bool):
+        return parse_bool(text)
+    if isinstance(default, (int, float)):
+        return parse_number(text, default)
+    if isinstance(default, list):
+        items = [item for item in text.split(",") if item != ""]
+        like = default[0] if default else ""
+        return [parse_value(item, like) for item in items]
+    return text
+
+
+def parse_choice(text, valid):
+    """The one of `valid` that `text` names (True/False also as true/false/1/0)."""
+    for option in valid:
+        if isinstance(option, bool):
+            with contextlib.suppress(ValueError):
+                if parse_bool(text) is option:
+                    return option
+        elif str(option) == text:
+            return option
+    raise ValueError(f"valid: {', '.join(map(str, valid))}")
+
+
+def parse_count_or_auto(text):
+    if text == "auto":
+        return text
+    try:
+        return parse_number(text, 1)
+    except ValueError:
+        raise ValueError("expected a whole number or auto") from None
+
+
+def closest(name, valid):
+    match = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    return ", ".join(match) if match else "none close"
+
+
+def parse(argv, choices, ranges, counts=(), presets=None):
+    """Command line -> Config: defaults, then --configs presets in order, then --key value flags.
+
+    choices: {key: valid values} (a key that takes True/False may stand alone as a flag);
+    ranges: {key: (predicate(value, flat config), what is valid)}; counts: keys that take a whole
+    number or 'auto'. Every value is checked here, once."""
+    presets = presets if presets is not None else load_presets()
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--configs", nargs="+", default=[])
+    args, rest = parser.parse_known_args(argv)
+    config = presets["defaults"]
+    for name in args.configs:
+        if name not in presets:
+            raise ConfigError(f"Unknown preset '{name}' (closest: {closest(name, list(presets))}); "
+                              f"valid: {', '.join(presets)}")
+        config = merge(config, presets[name])
+    flat = flatten(config)
+    overrides, i = {}, 0
+    while i < len(rest):
+        flag = rest[i]
+        if not flag.startswith("--"):
+            raise ConfigError(f"Unexpected argument '{flag}'; flags look like --key value")
+        key = flag[2:]
+        value = None
+        if "=" in key:
+            key, value = key.split("=", 1)
+        if key not in flat:
+            valid = [f"--{k}" for k in flat]
+            raise ConfigError(f"Unknown config key '--{key}' (closest: {closest('--' + key, valid)})")
+        if value is None:
+            takes_value = i + 1 < len(rest) and not rest[i + 1].startswith("--")
+            if (isinstance(flat[key], bool) or True in choices.get(key, ())) and not takes_value:
+                value = "true"
+            elif not takes_value:
+                raise ConfigError(f"Missing value for --{key}")
+            else:
+                value, i = rest[i + 1], i + 1
+        try:
+            if key in choices:
+                overrides[key] = parse_choice(value, choices[key])
+            elif key in counts:
+                overrides[key] = parse_count_or_auto(value)
+            else:
+                overrides[key] = parse_value(value, flat[key])
+        except ValueError as e:
+            raise ConfigError(f"Invalid value '{value}' for --{key}{'; ' if key in choices else ': '}{e}") from None
+        i += 1
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    check_choices(flatten(config), choices)
+    config = normalise(config)
+    check_ranges(flatten(config), ranges)
+    return Config(config)
+
+
+def check_choices(flat, choices):
+    for key, valid in choices.items():
+        if key in flat and flat[key] not in valid:
+            raise ConfigError(f"Invalid value '{flat[key]}' for --{key}; valid: {', '.join(map(str, valid))}")
+
+
+def check_ranges(flat, ranges):
+    for key, (valid, description) in ranges.items():
+        if key in flat and not valid(flat[key], flat):
+            value = ",".join(map(str, flat[key])) if isinstance(flat[key], list) else flat[key]
+            raise ConfigError(f"Invalid value '{value}' for --{key}; valid: {description}")
+
+
+# Counts that YAML may write as 1e6: they become integers.
+WHOLE_NUMBERS = ("steps", "eval_every", "eval_episode_num", "log_every", "prefill", "dataset_size", "time_limit",
+                 "envs", "action_repeat", "expl_until", "pretrain", "batch_size", "batch_length", "replay_context",
+                 "actor_sync_every")
+
+
+def normalise(config):
+    """Counts written as 1e6 in YAML become integers."""
+    config = copy.deepcopy(config)
+    for key in WHOLE_NUMBERS:
+        if isinstance(config.get(key), float):
+            if not config[key].is_integer():
+                raise ConfigError(f"Invalid value '{config[key]}' for --{key}: expected a whole number")
+            config[key] = int(config[key])
+    return config
+
+
+def compare_saved_config(config, path, free_keys=()):
+    """Warnings for keys that differ from the run's saved config (but `free_keys`, which may
+    differ between a run and its resumption); a different task is an error."""
+    from ruamel.yaml import YAML
+
+    try:
+        saved = YAML(typ="safe", pure=True).load(path.read_text())
+    except Exception as e:  # noqa: BLE001 - any parse error: the file is unusable
+        raise ConfigError(f"Cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                          "fix or delete it (this run's settings are the command line)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"Cannot read {path}: expected a mapping of config keys; fix or delete it")
+    saved = flatten(saved)
+    current = flatten(config.to_dict())
+    if saved.get("task") != current["task"]:
+        raise ConfigError(f"--task {current['task']} differs from this run's task '{saved.get('task')}' "
+                          f"(saved in {path}); use another --logdir for another task")
+    # 'auto' settles the same way for the same task, into the value the saved config holds.
+    return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
+            if key not in free_keys and value != "auto" and saved.get(key) != value]
+
+
+def save_config(config, path):
+    from ruamel.yaml import YAML
+
+    buffer = io.StringIO()
+    YAML(typ="safe", pure=True).dump(config.to_dict(), buffer)
+    atomic_write_bytes(path, buffer.getvalue().encode())

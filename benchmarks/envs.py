@@ -3,7 +3,7 @@
     python benchmarks/envs.py                  # the default run, about 3 minutes
     python benchmarks/envs.py --steps 400      # policy steps per measurement (default 150)
 
-Collects with `dreamer.Collector` over `dreamer.make_envs` from a parsed config, into a replay, with
+Collects with `parallel.Collector` over `parallel.make_envs` from a parsed config, into a replay, with
 a uniform random policy and with the real (untrained) Dreamer policy on the CPU, for:
   dmc_walker_walk, 64x64 images (dmc_vision) and dmc_cartpole_balance, proprio only (dmc_proprio);
   envs 1 and envs 4, in-process and --parallel; on the image task also --parallel with pipes only.
@@ -50,7 +50,7 @@ def parse_config(task, preset, count, use_parallel):
 
 def build_envs(config, shared):
     if shared:
-        return dreamer.make_envs(config, "train", config.envs)
+        return parallel.make_envs(config, "train", config.envs)
     # make_envs always shares memory; the same environments with shared memory switched off.
     ctors = [functools.partial(envs.make_env, config, "train", i) for i in range(config.envs)]
     return [parallel.Parallel(ctor, i, shared_memory=False) for i, ctor in enumerate(ctors)]
@@ -74,7 +74,7 @@ def measure(env_list, policy, config, steps, chunks=3):
     programs on a shared machine only ever slow a part down.
     """
     replay = tools.Replay(config.dataset_size, len(env_list), config.seed)
-    collector = dreamer.Collector(env_list, replay, None, lambda episode: None)
+    collector = parallel.Collector(env_list, replay, None, lambda episode: None)
     for _ in range(5):  # resets, first policy calls, worker caches
         collector.step(policy)
     results = []

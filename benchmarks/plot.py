@@ -3,7 +3,10 @@
     python3 benchmarks/plot.py logdir/walker_s0 logdir/walker_s1 logdir/pong --output curves.png
     python3 benchmarks/plot.py logdir/walker_* --metric train/return --reference dmc_proprio --spread minmax
 
-Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames).
+Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames),
+or a logdir of the official code (danijar/dreamerv3) with `scores.jsonl`, whose training-episode scores
+(`episode/score`, at `step` frames) are read as train/return: plot it with --metric train/return.
+Its task names atari100k_<game> are read as atari_<game>.
 Runs of the same task are seeds of one experiment and share a panel: their mean over seeds, with the
 standard deviation (or min-max) shaded. The task is `task` in RUN/config.yaml, or else the folder name
 with a trailing seed suffix (`_seed3`, `-seed3`) removed. A RUN written NAME=PATH is a curve of its own,
@@ -25,7 +28,8 @@ They are training-episode returns, so they are drawn only for metrics ending in 
 `--reference auto` picks atari100k for atari_* tasks, and for dmc_* tasks dmc_proprio when the run's
 config encodes no images (encoder.cnn_keys '$^'), dmc_vision otherwise or when there is no config.yaml.
 
-Bad input (missing run folder, no metrics.jsonl, metric absent) ends with a one-line error, exit status 2.
+Bad input (missing run folder, no metrics.jsonl or scores.jsonl, metric absent) ends with a one-line
+error, exit status 2.
 """
 
 import argparse
@@ -53,14 +57,27 @@ class PlotError(Exception):
 # ==================================================================================================
 
 
+# The official code's (danijar/dreamerv3) logdirs hold scores.jsonl: one line per training episode,
+# {"step": frames, "episode/score": return}. Its score is read as this project's train/return too.
+OFFICIAL_FILE, OFFICIAL_KEY = "scores.jsonl", "episode/score"
+
+
+def is_official(run):
+    return (pathlib.Path(run) / OFFICIAL_FILE).is_file()
+
+
 def read_metrics(run):
-    """All records of RUN/metrics.jsonl. A torn last line (a run still writing) is ignored."""
+    """All records of RUN/metrics.jsonl, or of RUN/scores.jsonl for a logdir of the official code
+    (each with both "episode/score" and "train/return"). A torn last line (a run still writing) is
+    ignored."""
     run = pathlib.Path(run)
     if not run.is_dir():
         raise PlotError(f"run folder not found: {run}")
-    path = run / "metrics.jsonl"
+    official = is_official(run)
+    path = run / (OFFICIAL_FILE if official else "metrics.jsonl")
     if not path.is_file():
-        raise PlotError(f"no metrics.jsonl in {run} (is it a training logdir?)")
+        raise PlotError(f"no metrics.jsonl in {run} (nor the official code's {OFFICIAL_FILE}; is it a training "
+                        "logdir?)")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
@@ -72,6 +89,8 @@ def read_metrics(run):
             raise PlotError(f"{path}:{number}: not JSON ({e.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
             raise PlotError(f"{path}:{number}: a record without 'step'")
+        if official and OFFICIAL_KEY in record:
+            record["train/return"] = record[OFFICIAL_KEY]
         records.append(record)
     return records
 
@@ -101,10 +120,15 @@ def read_config(run):
     return config if isinstance(config, dict) else {}
 
 
+def canonical_task(task):
+    """This project's name of a task: the official code names Atari 100k games atari100k_<game>."""
+    return re.sub(r"^atari100k_", "atari_", task.strip())
+
+
 def task_of(run, config):
     if config.get("task"):
-        return str(config["task"])
-    return re.sub(r"[_-]seed[_-]?\d+$", "", pathlib.Path(run).resolve().name)
+        return ",".join(canonical_task(task) for task in str(config["task"]).split(","))
+    return canonical_task(re.sub(r"[_-]seed[_-]?\d+$", "", pathlib.Path(run).resolve().name))
 
 
 def task_share(records, tasks, task, config):

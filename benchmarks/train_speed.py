@@ -7,7 +7,7 @@ environment with random actions, then times `--updates` updates after `--warmup`
 
 Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup,
 --threads, --profile (phase split and top operators) and --no_malloc_tuning (leave glibc's
-allocator as it is, to measure what dreamer.keep_freed_memory buys). The last line printed is
+allocator as it is, to measure what tools.keep_freed_memory buys). The last line printed is
 `updates_per_s=<number>`.
 """
 
@@ -82,16 +82,15 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="split the time into phases (adds overhead)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        config = dreamer.parse(rest)
-        dreamer.resolve_device(config)
-    except dreamer.ConfigError as e:
+        config, _ = tools.resolve_device(dreamer.parse(rest))
+    except tools.ConfigError as e:
         dreamer.fail(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
-    dreamer.seed_everything(config.seed, False)
+    tools.seed_everything(config.seed, False)
     torch.set_float32_matmul_precision("high")
     if not args.no_malloc_tuning:
-        dreamer.keep_freed_memory()
+        tools.keep_freed_memory()
     env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
     length = config.batch_length + config.replay_context  # the context steps only give the start latent
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)

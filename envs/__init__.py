@@ -16,7 +16,7 @@ import importlib
 import gymnasium
 import numpy as np
 
-from envs import wrappers  # noqa: F401 - envs.wrappers.TaskEnv for dreamer.make_envs
+from envs import wrappers  # noqa: F401 - envs.wrappers.TaskEnv for parallel.make_envs
 
 # suite prefix -> module in this package that defines `make(task, config, mode, index)`.
 SUITES = {
@@ -120,6 +120,14 @@ def assign_tasks(tasks, count, weights=None):
     return order
 
 
+def task_assignment(tasks, mode, count, weights=None):
+    """The task index of each environment: `count` training environments spread over `tasks`
+    (assign_tasks, round-robin unless `weights`), or `count` evaluation ones of each task."""
+    if mode == "train":
+        return assign_tasks(tasks, count, weights)
+    return [task for task in range(len(tasks)) for _ in range(count)]
+
+
 def noop_action(task):
     """Index of the suite's no-op action (the one padded discrete actions map to), None if it has none."""
     module, _ = suite_module(task)
@@ -176,3 +184,11 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
         low[:size] = np.minimum(low[:size], space.low)
         high[:size] = np.maximum(high[:size], space.high)
     return obs_space, gymnasium.spaces.Box(low, high, dtype=np.float32)
+
+
+# The choices the suites own, checked once when the config is parsed.
+CHOICES = {
+    "lives": ("unused", "discount", "reset"),  # atari
+    "resize": ("opencv", "pillow"),  # atari
+    "actions": ("all", "needed"),  # atari
+}

@@ -21,7 +21,7 @@ import models  # noqa: E402
 import networks  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 FLAGS = ("is_first", "is_last", "is_terminal")
 
 
@@ -548,8 +548,7 @@ def test_return_norm_scale_floor_is_one():
 
 
 def make_actor_critic(*flags, reward_fn=None):
-    config = make_config(*flags)
-    dreamer.resolve_auto(config, ACT_SPACE)  # as dreamer.Dreamer does before building
+    config, _ = models.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
     reward_fn = reward_fn or (lambda feat, state, action: wm.heads["reward"](feat).mean())
@@ -682,7 +681,7 @@ def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
     """v1's ImagActorCritic.loss written plainly: adv = (ret - offset) / scale - (base - offset) / scale
     with base = v(s_t) NOT stop-gradded; backprop: -adv, reinforce: -log pi(a) * sg(adv); minus the
     entropy bonus, times the weight. Loss and gradient into the imagined features (which the
-    dynamics gradient carries back to the actor) both match; so does ActorCritic.train_step."""
+    dynamics gradient carries back to the actor) both match; so does models.behavior_step."""
     _, _, ac = make_actor_critic("--imag_gradient", mode, "--actor.entropy", "0.05", "--critic.outscale", "1.0")
     feat, action, _, weight = actor_inputs(ac)
     feat.requires_grad_()
@@ -723,7 +722,7 @@ def test_actor_loss_entropy_weight():
     feat, action, returns, weight = actor_inputs(ac)
     values = {}
     for eta in (0.0, 0.3):
-        ac.config.actor.entropy = eta
+        ac.config = ac.config.replace({"actor.entropy": eta})  # the config is read-only: a new one
         values[eta] = ac.actor_loss(feat, action, returns, weight)[0].item()
     with torch.no_grad():
         std = to_np(ac.actor(feat[:-1]).dist.stddev)
@@ -779,7 +778,7 @@ def test_train_step_weight_and_returns_against_reference():
     seen = capture_actor_loss(ac, wm)
     start = start_states(wm, n=6)
     start_cont = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    metrics = ac.train_step(start, start_cont)
+    metrics = models.behavior_step(ac, start, start_cont)
     cont = np.concatenate([to_np(start_cont)[None], to_np(seen["cont"])], 0)  # (H+1, N)
     assert 0 < cont[1:].mean() < 1
     gamma, horizon = 0.9, config.imag_horizon
@@ -803,7 +802,7 @@ def test_actor_gradient_reaches_the_bootstrap_value(mode):
     _, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient", mode,
                                   reward_fn=lambda feat, state, action: feat.sum(-1) * 0.0)
     perturb(ac.slow_critic, 38)
-    metrics = ac.train_step(start_states(wm, n=6), torch.ones(6))
+    metrics = models.behavior_step(ac, start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6
 
 

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
+import parallel  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def async_run(tmp_path_factory):
     the collector handed to replay, the limiter after every insert and update, and every sync."""
     logdir = tmp_path_factory.mktemp("async_run")
     seen = {"records": collections.defaultdict(list), "limiter": [], "syncs": []}
-    record = dreamer.Collector._record
+    record = parallel.Collector._record
     sampled, inserted = tools.SamplesPerInsert.sampled, tools.SamplesPerInsert.inserted
     train, sync = dreamer.Trainer.train, dreamer.AsyncLoop.sync_actor
 
@@ -129,7 +130,7 @@ def async_run(tmp_path_factory):
         return counted
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dreamer.Collector, "_record", recording)
+        patch.setattr(parallel.Collector, "_record", recording)
         patch.setattr(tools.SamplesPerInsert, "sampled", count(sampled))
         patch.setattr(tools.SamplesPerInsert, "inserted", count(inserted))
         patch.setattr(dreamer.Trainer, "train", lambda self: (seen.update(trainer=self), train(self))[1])

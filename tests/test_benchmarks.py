@@ -92,11 +92,12 @@ def test_auto_benchmark_commands_parse_and_its_rate_skips_the_start_up():
     import importlib.util
 
     import dreamer
+    import tools
 
     spec = importlib.util.spec_from_file_location("bench_auto", ROOT / "benchmarks" / "auto.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    presets = dreamer.load_presets()
+    presets = tools.load_presets()
     for task in bench.TASKS:
         for envs, parallel in bench.SETTINGS:
             words = bench.command(task, envs, parallel, "/tmp/x")

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import dreamer
+import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ def test_boolean_forms(args, expected):
     (["--steps"], "Missing value for --steps"),
 ])
 def test_config_errors_name_the_problem(args, message):
-    with pytest.raises(dreamer.ConfigError) as error:
+    with pytest.raises(tools.ConfigError) as error:
         dreamer.parse(args, PRESETS)
     assert message in str(error.value)
 
@@ -80,14 +81,14 @@ def test_real_presets_and_verbatim_commands_parse():
 
 
 def test_every_preset_parses():
-    for name in dreamer.load_presets():
+    for name in tools.load_presets():
         dreamer.parse(["--configs", name])
 
 
 def test_choice_keys_list_valid_values():
-    with pytest.raises(dreamer.ConfigError, match="valid: auto, dynamics, reinforce, both"):
+    with pytest.raises(tools.ConfigError, match="valid: auto, dynamics, reinforce, both"):
         dreamer.parse(["--imag_gradient", "magic"])
-    with pytest.raises(dreamer.ConfigError, match="valid: 16, 32"):
+    with pytest.raises(tools.ConfigError, match="valid: 16, 32"):
         dreamer.parse(["--precision", "8"])
 
 
@@ -122,12 +123,11 @@ def test_missing_logdir_is_a_clear_error():
 
 
 def test_cuda_absent_falls_back_to_cpu(monkeypatch):
-    monkeypatch.setattr(dreamer.torch.cuda, "is_available", lambda: False)
-    config = dreamer.parse(["--configs", "debug", "--device", "cuda:0"])
-    assert dreamer.resolve_device(config) == "CUDA is not available"
-    assert config.device == "cpu"
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu"])
-    assert dreamer.resolve_device(config) is None and config.device == "cpu"
+    monkeypatch.setattr(tools.torch.cuda, "is_available", lambda: False)
+    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:0"]))
+    assert note == "CUDA is not available" and config.device == "cpu"
+    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cpu"]))
+    assert note is None and config.device == "cpu"
 
 
 def test_verbatim_parallel_vision_command_starts(tmp_path):

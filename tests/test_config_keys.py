@@ -28,7 +28,7 @@ import parallel  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 PROPRIO = ["--encoder.mlp_keys", ".*", "--encoder.cnn_keys", "$^", "--decoder.mlp_keys", ".*",
            "--decoder.cnn_keys", "$^"]
 
@@ -53,7 +53,8 @@ def spaces():
 def make_agent(spaces, *flags, seed=0):
     config = make_config(*flags)
     torch.manual_seed(seed)
-    return dreamer.Dreamer(*spaces, config), config
+    agent = dreamer.Dreamer(*spaces, config)
+    return agent, agent.config  # settled: the 'auto' keys resolved
 
 
 def fake_batch(spaces, batch=3, length=5, seed=0):
@@ -152,7 +153,7 @@ def test_odd_kernel_size_works_or_is_refused_clearly(spaces, kernel):
     for part in ("encoder", "decoder"):
         try:
             agent, _ = make_agent(spaces, f"--{part}.kernel_size", str(kernel))
-        except ValueError as e:  # dreamer.ConfigError included
+        except ValueError as e:  # tools.ConfigError included
             assert "kernel_size" in str(e)
             continue
         data = agent.wm.preprocess(fake_batch(spaces, batch=2, length=3))
@@ -232,7 +233,7 @@ def test_decoder_dists_give_squared_errors_in_their_space(spaces, vector_dist):
     # image_dist 'mse' (its only value): squared error summed over height, width and channels.
     want = -((image - target["image"].double().numpy()) ** 2).sum((-3, -2, -1))
     np.testing.assert_allclose(dists["image"].log_prob(target["image"]).double().numpy(), want, rtol=1e-5)
-    with pytest.raises(dreamer.ConfigError, match="decoder.image_dist"):
+    with pytest.raises(tools.ConfigError, match="decoder.image_dist"):
         make_config("--decoder.image_dist", "laplace")
 
 
@@ -388,7 +389,7 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
         f"{want[0]} distribution, {want[1]} gradient (actor.dist and imag_gradient auto: from the action space)")
     # Behaviour: REINFORCE rollouts record no graph through the dynamics; dynamics rollouts do.
     start = {k: v.detach() for k, v in agent.wm.rssm.initial(3).items()}
-    with models.frozen(agent.wm):  # as ActorCritic.train_step imagines
+    with models.frozen(agent.wm):  # as ActorCritic.loss imagines
         feat, _, _, _ = agent.task_behavior.imagine(start)
     assert feat[-1].requires_grad is (not discrete)
     other = "dynamics" if discrete else "reinforce"
@@ -396,7 +397,7 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
     assert config.imag_gradient == other and "imag_gradient" not in agent.resolved
     assert dreamer.actor_note(config, agent.resolved).endswith("(actor.dist auto: from the action space)")
     wrong, kind = ("normal", "discrete") if discrete else ("onehot", "continuous")
-    with pytest.raises(dreamer.ConfigError, match=f"Invalid value '{wrong}' for --actor.dist: task "
+    with pytest.raises(tools.ConfigError, match=f"Invalid value '{wrong}' for --actor.dist: task "
                                                    f"'dmc_cartpole_balance' has {kind} actions; use --actor.dist "
                                                    f"{want[0]}"):
         make_agent((obs_space, act_space), "--actor.dist", wrong)
@@ -406,10 +407,10 @@ def test_compile_auto_compiles_on_cuda_only_and_explicit_values_stay(spaces):
     agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")
     assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
     assert dreamer.compile_note(config, True).startswith("off (auto: on a CPU compile measured no faster")
-    cuda = make_config("--compile", "auto", "--device", "cuda:0")
-    assert "compile" in dreamer.resolve_auto(cuda, spaces[1]) and cuda.compile is True
-    explicit = make_config("--compile", "True", "--device", "cpu")
-    assert "compile" not in dreamer.resolve_auto(explicit, spaces[1]) and explicit.compile is True
+    cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1])
+    assert "compile" in resolved and cuda.compile is True
+    explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1])
+    assert "compile" not in resolved and explicit.compile is True
     assert make_config("--compile", "false").compile is False
     assert dreamer.parse(["--device", "cpu"]).compile == "auto"  # the default
 
@@ -579,7 +580,7 @@ def test_episode_folders_expand_home_like_logdir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("failure, restart", [("restart", True), ("stop", False)])
 def test_env_failure_decides_whether_parallel_workers_restart(failure, restart):
     config = make_config("--parallel", "True", "--env_failure", failure)
-    created = dreamer.make_envs(config, "train", 2)
+    created = parallel.make_envs(config, "train", 2)
     try:
         assert [type(env) for env in created] == [parallel.Parallel] * 2
         assert [env.restart for env in created] == [restart] * 2

@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 import dreamer  # noqa: E402
 import models  # noqa: E402
+import parallel  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 PROPRIO = ["--configs", "dmc_proprio", "debug", "--device", "cpu", "--eval_episode_num", "0"]
 
@@ -127,7 +128,7 @@ def whole_files(folder):
 def test_chunks_fill_while_the_episode_runs_hold_final_latents_and_give_way_to_the_whole_episode(tmp_path):
     replay = tools.Replay(1000, 1)
     finished = []
-    collector = dreamer.Collector([CountingEnv(10)], replay, tmp_path, finished.append, context=context(),
+    collector = parallel.Collector([CountingEnv(10)], replay, tmp_path, finished.append, context=context(),
                                   chunk_size=3)
     collector.step(latent_policy)  # reset (x = 0) and step 1
     collector.step(latent_policy)  # x = 2: three steps before the newest, but step 2's latent is not final
@@ -160,7 +161,7 @@ def test_chunks_fill_while_the_episode_runs_hold_final_latents_and_give_way_to_t
 
 def test_chunk_size_zero_writes_whole_episodes_only(tmp_path):
     finished = []
-    collector = dreamer.Collector([CountingEnv(7)], None, tmp_path, finished.append, chunk_size=0)
+    collector = parallel.Collector([CountingEnv(7)], None, tmp_path, finished.append, chunk_size=0)
     for _ in range(7):
         collector.step(latent_policy)
     assert chunk_files(tmp_path) == [] and len(whole_files(tmp_path)) == 1 and len(finished) == 1
@@ -382,7 +383,7 @@ def test_kill_9_mid_episode_keeps_every_full_chunk_and_the_rerun_replays_each_st
             assert (np.abs(chunk["latent_deter"]).sum(-1) > 0).all()  # every step's latent was final when written
 
     config = dreamer.parse([*flags, "--steps", "2000"], presets=copy.deepcopy(PRESETS))
-    env_list = dreamer.make_envs(config, "train", 1)
+    env_list = parallel.make_envs(config, "train", 1)
     try:
         agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)
         trainer = dreamer.Trainer(config, agent, logdir, env_list, [])

@@ -61,8 +61,9 @@ def test_environments_go_round_robin_and_by_weight():
 
 def test_evaluation_gets_its_count_of_every_task():
     config = dreamer.parse(["--configs", "debug", "--task", "dmc_walker_walk,dmc_cheetah_run"])
-    assert dreamer.task_assignment(config, "train", 3) == [0, 1, 0]
-    assert dreamer.task_assignment(config, "eval", 2) == [0, 0, 1, 1]
+    tasks = envs.parse_tasks(config.task)
+    assert envs.task_assignment(tasks, "train", 3) == [0, 1, 0]
+    assert envs.task_assignment(tasks, "eval", 2) == [0, 0, 1, 1]
 
 
 # -- common spaces -----------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_evaluation_runs_its_count_of_each_task_however_long_their_episodes():
     # Task 0 ends episodes every 2 steps, task 1 every 7: a count over all tasks would take task 0's.
     env_list = [wrappers.TaskEnv(parallel.Damy(lambda n=n: Episodic(n)), task, FLAGS, box(1))
                 for task, n in ((0, 2), (1, 7))]
-    episodes = dreamer.run_episodes(StandInAgent(), env_list, 3, None)
+    episodes = parallel.run_episodes(StandInAgent(), env_list, 3, None)
     assert [(int(e["task"][0]), len(e["reward"]) - 1) for e in episodes] == [(0, 2)] * 3 + [(1, 7)] * 3
 
 

@@ -17,8 +17,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
+import tools  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 FLAGS = ("is_first", "is_last", "is_terminal")
 ACT_SPACE = gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32)
 
@@ -28,7 +29,7 @@ def make_config(*flags):
     continuous action space unless the flags ask for a onehot actor."""
     config = dreamer.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
     if config.actor.dist == "auto":
-        dreamer.resolve_auto(config, ACT_SPACE)
+        config, _ = models.resolve_auto(config, ACT_SPACE)
     return config
 
 
@@ -342,10 +343,8 @@ def test_decoder_scalar_vector_key_loss_is_per_step():
 
 def make_actor(*flags, actions=3):
     config = make_config(*flags)
-    actor_config = copy.copy(config.actor)
-    actor_config.units = config.units
     torch.manual_seed(0)
-    return networks.Actor(20, actions, actor_config, config.act, config.norm)
+    return networks.Actor(20, actions, config.actor, config.units, config.act, config.norm)
 
 
 def test_actor_normal_learned_std_bounds():
@@ -389,10 +388,8 @@ def test_actor_onehot_with_unimix():
 
 
 def test_actor_rejects_unknown_dist():
-    config = make_config().actor
-    config.dist = "beta"
-    with pytest.raises(ValueError, match="actor dist"):
-        networks.Actor(20, 3, config, "SiLU", True)
+    with pytest.raises(tools.ConfigError, match="Invalid value 'beta' for --actor.dist; valid: auto, normal, onehot"):
+        make_config("--actor.dist", "beta")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def observation(step):
 
 
 def run_all(envs, actions):
-    """Send to every environment first, then collect: how dreamer.Collector steps them."""
+    """Send to every environment first, then collect: how parallel.Collector steps them."""
     futures = [env.step(a) if a is not None else env.reset() for env, a in zip(envs, actions)]
     return [future() for future in futures]
 
@@ -184,11 +184,10 @@ def test_constructor_exception_names_index_and_carries_traceback():
 
 
 def test_killed_worker_is_restarted_and_the_collector_drops_the_episode():
-    import dreamer  # here, not at the top: the workers import this module and need no torch
 
     env_list = [parallel.Parallel(functools.partial(FakeEnv, seed=i, length=50), i, restart=True, timeout=30)
                 for i in range(2)]
-    collector = dreamer.Collector(env_list, None, None, lambda episode: None)
+    collector = parallel.Collector(env_list, None, None, lambda episode: None)
     policy = lambda obs, state: (np.zeros((len(obs["is_first"]), 2), np.float32), None)  # noqa: E731
     old = env_list[1].pid
     try:
@@ -314,10 +313,10 @@ def test_dmc_seeds_are_distinct_and_train_never_shares_with_eval():
 
     config = dreamer.parse(["--configs", "dmc_proprio", "--task", "dmc_cartpole_balance", "--parallel", "True",
                             "--seed", "3"])
-    train, evaluation = dreamer.make_envs(config, "train", 2), dreamer.make_envs(config, "eval", 2)
+    train, evaluation = parallel.make_envs(config, "train", 2), parallel.make_envs(config, "eval", 2)
     assert all(isinstance(env, parallel.Parallel) for env in train + evaluation)
-    config.parallel = False
-    local = dreamer.make_envs(config, "train", 1)[0]
+    config = config.replace(parallel=False)
+    local = parallel.make_envs(config, "train", 1)[0]
     pids = [env.pid for env in train + evaluation]
     try:
         first = [future() for future in [env.reset() for env in train + evaluation]]
@@ -325,7 +324,7 @@ def test_dmc_seeds_are_distinct_and_train_never_shares_with_eval():
         assert len({v.tobytes() for v in vectors}) == 4  # train 0, train 1, eval 0, eval 1 all differ
         assert_same(first[0], local.reset()())  # the same seed in a worker and in-process
         # --parallel with one environment, through the collector (which starts with a new episode).
-        collector = dreamer.Collector(train[:1], None, None, lambda episode: None)
+        collector = parallel.Collector(train[:1], None, None, lambda episode: None)
         policy = lambda obs, state: (np.full((1, 1), 0.5, np.float32), None)  # noqa: E731
         for _ in range(3):
             collector.step(policy)

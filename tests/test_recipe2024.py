@@ -14,8 +14,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import networks  # noqa: E402
+import tools  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -756,13 +757,13 @@ def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
 
 
 def test_new_keys_are_range_checked_at_start_up():
-    with pytest.raises(dreamer.ConfigError, match="--dyn_blocks; valid: a whole number >= 1 that divides --dyn_deter"):
+    with pytest.raises(tools.ConfigError, match="--dyn_blocks; valid: a whole number >= 1 that divides --dyn_deter"):
         make_config("--dyn_cell", "blockgru", "--dyn_deter", "30")
     make_config("--dyn_deter", "30")  # the GRU of v1 has no blocks to divide into
     for key in ("--agc", "--critic.repval", "--actor.absmax"):
-        with pytest.raises(dreamer.ConfigError, match=f"Invalid value '-1.0' for {key}"):
+        with pytest.raises(tools.ConfigError, match=f"Invalid value '-1.0' for {key}"):
             make_config(key, "-1.0")
-    with pytest.raises(dreamer.ConfigError, match="--warmup"):
+    with pytest.raises(tools.ConfigError, match="--warmup"):
         make_config("--warmup", "-1")
     assert make_config("--grad_clip", "0").grad_clip == 0  # 0: no global clip
 

@@ -22,10 +22,11 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
+import parallel  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 
 
@@ -71,7 +72,7 @@ def run_copy(base_run, tmp_path):
 
 def trainer_for(logdir):
     config = make_config(*SHORT[2:], "--logdir", str(logdir))
-    env_list = dreamer.make_envs(config, "train", 1)
+    env_list = parallel.make_envs(config, "train", 1)
     agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)
     return dreamer.Trainer(config, agent, logdir, env_list, [])
 
@@ -379,7 +380,7 @@ def test_an_invalid_saved_config_is_one_line(run_copy, capsys):
 def test_zero_envs_is_meaningful_only_offline():
     assert make_config("--envs", "0", "--offline_traindir", "x").envs == 0
     assert make_config("--envs", "0", "--eval_only").envs == 0
-    with pytest.raises(dreamer.ConfigError, match="--envs"):
+    with pytest.raises(tools.ConfigError, match="--envs"):
         make_config("--envs", "0")
 
 

@@ -16,9 +16,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import models  # noqa: E402
+import parallel  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = dreamer.load_presets()
+PRESETS = tools.load_presets()
 VECTOR = ["--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^", "--encoder.mlp_keys", "vec",
           "--decoder.mlp_keys", "vec"]
 
@@ -236,7 +237,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
     envs = [CountingEnv(4), CountingEnv(3)]
     replay = tools.Replay(100, 2)
     finished = []
-    collector = dreamer.Collector(envs, replay, tmp_path, finished.append, context=context_of(1))
+    collector = parallel.Collector(envs, replay, tmp_path, finished.append, context=context_of(1))
     for _ in range(5):
         collector.step(latent_policy)
     assert len(finished) == 2

@@ -13,6 +13,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import tools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEBUG = ["--configs", "debug", "--task", "dmc_cartpole_balance"]
 
@@ -165,8 +167,9 @@ import resource, sys
 import torch
 sys.path.insert(0, sys.argv[2])
 import dreamer
+import tools
 if sys.argv[1] == "tuned":
-    assert dreamer.keep_freed_memory()
+    assert tools.keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(4):  # 128 MB blocks, written and freed, until the heap holds a hole that fits one
     block = torch.ones(2**25)
@@ -209,11 +212,9 @@ def test_start_up_phases_print_progress_lines_in_a_log_file(run):
 
 
 def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
-    import dreamer
-
     clock = iter([100.0, 102.0, 104.0, 108.0, 110.0])
-    monkeypatch.setattr(dreamer.time, "time", lambda: next(clock))
-    phase = dreamer.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
+    monkeypatch.setattr(tools.time, "time", lambda: next(clock))
+    phase = tools.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
     phase.update(10)  # t=102: the first step gives the rate at once: 10 in 2 s, 90 to go at 5/s
     phase.update(20)  # t=104: 2 s since the last line, no line
     phase.update(30)  # t=108: 6 s since the last line: 30 in 8 s, 70 to go at 3.75/s
@@ -228,9 +229,8 @@ def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
 def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
     """A step longer than `every` (a compiling first update, a full-size update on a loaded CPU)
     still gets lines: the heartbeat prints the state every `every` seconds."""
-    import dreamer
 
-    phase = dreamer.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
+    phase = tools.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
     time.sleep(0.7)  # one long step
     phase.update(1)
     phase.close()
