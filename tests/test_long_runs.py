@@ -113,7 +113,7 @@ def latent_policy(obs, state):
 
 
 def context():
-    config = dreamer.Config({"replay_context": 1, "dyn_deter": 3, "dyn_stoch": 2, "dyn_discrete": 2})
+    config = tools.Config({"replay_context": 1, "dyn_deter": 3, "dyn_stoch": 2, "dyn_discrete": 2})
     return models.ReplayContext(config)
 
 
