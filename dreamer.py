@@ -42,7 +42,12 @@ def main(argv=None):
     """Parse, build, train; Ctrl-C and SIGTERM save and end without a traceback."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(usage())
+        at = argv.index("--help" if "--help" in argv else "-h")
+        topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+        try:
+            print(usage(topic))
+        except tools.ConfigError as e:
+            fail(str(e))
         return None
     previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
@@ -165,17 +170,34 @@ def fail(message):
     sys.exit(2)
 
 
-def usage():
-    """--help: how to call the script, and the presets to start from."""
+def usage(topic=None):
+    """--help [TOPIC]: how to call the script, the presets, and every key with its default and its
+    comment from configs.yaml (tools.config_reference); TOPIC, a group or key prefix such as
+    `actor` or `dyn_`, narrows the keys."""
     presets = [name for name in tools.load_presets() if name != "defaults"]
+    rows = tools.config_reference()
+    if topic is not None:
+        rows = [row for row in rows if row[0].startswith(topic)]
+        if not rows:
+            groups = sorted({key.split(".")[0] for key, _, _ in tools.config_reference() if "." in key})
+            raise tools.ConfigError(f"No config key starts with '{topic}'; groups: {', '.join(groups)} "
+                                    "(or any key prefix, e.g. dyn_)")
+    width = max(len(f"--{key} {default}") for key, default, _ in rows) + 2
+    lines = [f"  {f'--{key} {default}':<{width}}{comment}" for key, default, comment in rows]
+    if topic is not None:
+        return "\n".join(lines)
     return "\n".join([
         "usage: python3 dreamer.py [--configs PRESET ...] --logdir DIR [--KEY VALUE ...]",
+        "       python3 dreamer.py --help [TOPIC]   (TOPIC: a group or key prefix, e.g. actor, dyn_)",
         "",
         __doc__.strip().splitlines()[0],
         "",
         "Presets (merged in the order given, over `defaults`): " + ", ".join(presets),
         f"Every key of {tools.CONFIG_FILE.name} is a flag: --task dmc_walker_walk, --actor.lr 1e-4, --size 64,64;",
         "a boolean flag alone means True. Rerunning the same command resumes the run in --logdir.",
+        "",
+        f"Keys, with their defaults (from {tools.CONFIG_FILE.name}, the reference):",
+        *lines,
     ])
 
 
@@ -230,8 +252,9 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
+        spec = {**tools.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                      resources.weights(), resolved), flush=True)
+                      resources.weights(), resolved, spec), flush=True)
         for line in resources.lines:
             print(line, flush=True)
         for line in trainer.notes:
@@ -997,18 +1020,16 @@ class RunLog:
             self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(trainer.collector.tasks))
 
     def log_env_status(self):
-        """What each environment is doing: scalars env/<i>/..., and a line per environment when
-        the progress goes to a log file."""
-        collector, tasks = self.trainer.collector, self.trainer.tasks
-        for i, row in enumerate(collector.status()):
+        """What each environment is doing: scalars env/<i>/... in the metrics, and, when the progress
+        goes to a log file, one line for all of them (env_status_line)."""
+        collector = self.trainer.collector
+        rows = collector.status()
+        for i, row in enumerate(rows):
             for key, value in row.items():
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
-            if not self.progress.interactive:
-                task = f" ({tasks[collector.tasks[i]]})" if len(tasks) > 1 else ""
-                print(f"  env {i}{task}: steps {row['steps']} episodes {row['episodes']} "
-                      f"last return {row['last_return']:.1f} fps {row['fps']:.1f} step {row['step_ms']:.1f} ms",
-                      flush=True)
+        if not self.progress.interactive:
+            print(env_status_line(rows), flush=True)
 
     @property
     def evaluates(self):
@@ -1053,6 +1074,24 @@ class RunLog:
         update, value = first[key]
         raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
                              f"without saving ({self.trainer.checkpoints.kept()})")
+
+
+def env_status_line(rows):
+    """One line for the environments' status rows (parallel.Collector.status), however many there
+    are: steps, episodes, fps and step time as min/median/max, and the environments whose worker
+    was restarted."""
+    def spread(key, digits=1):
+        values = np.array([row[key] for row in rows], float)
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return "-"
+        low, mid, high = np.min(values), np.median(values), np.max(values)
+        return f"{low:.{digits}f}/{mid:.{digits}f}/{high:.{digits}f}"
+
+    restarted = [f"{i} ({row['restarts']}x)" for i, row in enumerate(rows) if row.get("restarts")]
+    return (f"  envs {len(rows)} (min/median/max): steps {spread('steps', 0)} | episodes "
+            f"{sum(row['episodes'] for row in rows)} | fps {spread('fps')} | step {spread('step_ms')} ms"
+            + (f" | restarted: env {', '.join(restarted)}" if restarted else ""))
 
 
 def episode_stats(episode):
@@ -1156,10 +1195,12 @@ def write_mp4(path, frames, fps=30):
 # ==================================================================================================
 
 
-def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, resolved=None):
-    """The start-up summary: what runs where, what differs from defaults, how big the model is.
-    `weights`: the task weights the training environments were made with (Resources.weights());
-    `resolved`: the keys that were 'auto' (models.resolve_auto; by default those the agent settled)."""
+def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, resolved=None, spec=None):
+    """The start-up summary: what runs where, what differs from defaults, how big the model is and,
+    given the stored step's `spec` (tools.episode_spec with the replay context's latents), what the
+    run will cost. `weights`: the task weights the training environments were made with
+    (Resources.weights()); `resolved`: the keys that were 'auto' (models.resolve_auto; by default
+    those the agent settled)."""
     resolved = agent.resolved if resolved is None else resolved
     defaults = tools.flatten(tools.load_presets()["defaults"])
     changed = {k: v for k, v in tools.flatten(config.to_dict()).items() if defaults.get(k) != v and k not in resolved}
@@ -1185,9 +1226,34 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
+        *(cost_lines(config, spec) if spec is not None else []),
         "Changed from defaults: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "none"),
     ]
     return "\n".join(lines)
+
+
+def total_updates(config):
+    """Updates a run makes from its start to `steps` frames: the pretraining, then train_ratio replayed
+    steps per policy step after the prefill (Trainer.train: the prefill's steps count as paid for)."""
+    policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
+    return config.pretrain + int(policy_steps * config.train_ratio / (config.batch_size * config.batch_length))
+
+
+def cost_lines(config, spec, free=None):
+    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps,
+    the episode files' disk per million steps; a WARNING when the replay cannot fit in the memory
+    free now (`free`, bytes; by default tools.available_memory())."""
+    step = tools.step_bytes(spec)
+    replay = step * config.dataset_size
+    free = tools.available_memory() if free is None else free
+    gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of memory at "
+             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
+             "million steps on disk (compressed .npz, images usually less)"]
+    if free is not None and replay > free:
+        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of memory is free; the run "
+                     "will run out of memory as the replay fills: lower --dataset_size")
+    return lines
 
 
 def compile_note(config, auto=False):
@@ -1231,6 +1297,7 @@ _fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
 
 RANGES = {
     "steps": (_at_least(0), "a whole number >= 0"),
+    "seed": (lambda v, flat: isinstance(v, int) and 0 <= v < 2**31, "a whole number in [0, 2^31)"),
     "envs": (lambda v, flat: v == "auto" or (isinstance(v, int) and v >= (0 if offline(flat) else 1)),
              "auto or a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
     "action_repeat": (_at_least(1), "a whole number >= 1"),

@@ -529,6 +529,7 @@ class Collector:
         self.env_steps = [0] * len(env_list)
         self.env_episodes = [0] * len(env_list)
         self.env_returns = [float("nan")] * len(env_list)
+        self.env_restarts = [0] * len(env_list)
         self.status_mark = (time.time(), [0] * len(env_list), self.step_costs())
         act_space = env_list[0].act_space
         self.zero_action = np.zeros(act_space.shape, np.float32)
@@ -588,6 +589,7 @@ class Collector:
             obs = self._observe(i, obs)
             if info.get("restarted"):  # the worker died and came back with a fresh episode
                 self.dropped += 1
+                self.env_restarts[i] += 1
                 self.episodes[i] = []
                 self._record(i, obs, self.zero_action, 0.0)
                 continue
@@ -620,11 +622,11 @@ class Collector:
         now, (then, marks, costs) = time.time(), self.status_mark
         seconds = max(now - then, 1e-9)
         current = self.step_costs()
-        rows = [{"steps": steps, "episodes": episodes, "last_return": ret,
+        rows = [{"steps": steps, "episodes": episodes, "last_return": ret, "restarts": restarts,
                  "fps": (steps - mark) * self.action_repeat / seconds,
                  "step_ms": 1e3 * (spent - spent0) / (count - count0) if count > count0 else float("nan")}
-                for steps, episodes, ret, mark, (spent, count), (spent0, count0)
-                in zip(self.env_steps, self.env_episodes, self.env_returns, marks, current, costs)]
+                for steps, episodes, ret, restarts, mark, (spent, count), (spent0, count0)
+                in zip(self.env_steps, self.env_episodes, self.env_returns, self.env_restarts, marks, current, costs)]
         self.status_mark = (now, list(self.env_steps), current)
         return rows
 
@@ -646,14 +648,31 @@ def make_envs(config, mode, count, first=0, weights=None, processes=None):
     own_thread = config.asynchronous and mode == "train"
     handles = [Parallel(ctor, i, restart=config.env_failure == "restart") if process
                else Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, in_worker))]
-    if len(tasks) == 1:
-        return handles
     try:
-        return wrap_tasks(config, tasks, handles, assignment)
+        wait_started([env for env in handles if isinstance(env, Parallel)], mode)
+        return handles if len(tasks) == 1 else wrap_tasks(config, tasks, handles, assignment)
     except BaseException:
         for env in handles:
             env.close()
         raise
+
+
+def wait_started(workers, mode, interactive=None):
+    """Wait until every worker has built its environment, reporting the start-up as progress
+    (tools.Phase: started k/N with the rate and elapsed time, a line at least every 10 s), so that
+    no minute passes in silence. The workers start together (Parallel does not wait), so the wait
+    is about the slowest one's."""
+    if not workers:
+        return
+    import sys
+
+    import tools
+
+    interactive = sys.stdout.isatty() if interactive is None else interactive
+    with tools.Phase(f"{mode} environment workers", len(workers), "worker", interactive) as phase:
+        for done, env in enumerate(workers, 1):
+            env.obs_space  # noqa: B018 - blocks until this worker reports its spaces
+            phase.update(done)
 
 
 def wrap_tasks(config, tasks, handles, assignment):

@@ -401,6 +401,23 @@ def episode_spec(obs_space, act_space):
     return spec
 
 
+def step_bytes(spec):
+    """Bytes of one replayed step of `spec` (episode_spec, plus any stored latents): what the replay
+    holds in memory per step, and what an episode file holds per step before compression."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in spec.values())
+
+
+def available_memory():
+    """Bytes of memory free for new allocations (Linux MemAvailable; elsewhere None: not known)."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
 
 
@@ -564,6 +581,12 @@ class Replay:
         self.streams = [Stream(per_stream) for _ in range(streams)]
         self.rng = np.random.default_rng(seed)
         self.lock = threading.Lock()
+
+    @property
+    def nbytes(self):
+        """Bytes the stored steps' arrays take now (they grow to capacity as steps come in)."""
+        with self.lock:
+            return sum(array.nbytes for stream in self.streams for array in stream.data.values())
 
     def __len__(self):
         with self.lock:
@@ -1851,6 +1874,47 @@ def compare_saved_config(config, path, free_keys=()):
     # 'auto' settles the same way for the same task, into the value the saved config holds.
     return [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
             if key not in free_keys and value != "auto" and saved.get(key) != value]
+
+
+def config_reference(path=CONFIG_FILE):
+    """Every key of `defaults` in configs.yaml with its default as written and its comment (the
+    comment lines below a key continue it): [(dotted key, default, comment)], in file order. The
+    file is the reference; `python3 dreamer.py --help` prints this, so the two cannot drift."""
+    rows, parents, inside = [], [], False
+    for line in pathlib.Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        if not line.startswith(" "):  # a top-level entry: defaults or a preset
+            inside = line.startswith("defaults:")
+            parents = []
+            continue
+        if not inside:
+            continue
+        indent = len(line) - len(line.lstrip())
+        text, _, comment = line.strip().partition("#") if line.strip().startswith("#") else _split_comment(line)
+        if line.strip().startswith("#"):
+            if rows and indent > 2 and rows[-1][2] and not line.strip().startswith("# ---"):
+                rows[-1] = (rows[-1][0], rows[-1][1], rows[-1][2] + " " + line.strip()[1:].strip())
+            continue
+        key, _, value = text.partition(":")
+        depth = indent // 2 - 1  # defaults' own keys are indented by 2
+        parents = parents[:depth]
+        if not value.strip():  # a group: its keys follow, indented
+            parents.append(key.strip())
+            continue
+        rows.append((".".join([*parents, key.strip()]), value.strip(), comment.strip()))
+    return rows
+
+
+def _split_comment(line):
+    """'key: value  # comment' -> ('key: value', '#', 'comment'); a '#' inside quotes is text."""
+    quote = None
+    for i, char in enumerate(line):
+        if char in "'\"" and quote in (None, char):
+            quote = None if quote else char
+        elif char == "#" and quote is None and (i == 0 or line[i - 1] == " "):
+            return line[:i].strip(), "#", line[i + 1:]
+    return line.strip(), "", ""
 
 
 def save_config(config, path):

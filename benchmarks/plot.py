@@ -22,8 +22,9 @@ at f is the mean of its points in the window; mean, std (ddof=0), min and max ar
 seeds that have a point there. The bin width is a round number near 1/50 of the longest run, and never
 narrower than the runs' logging interval.
 
-The published curves come from benchmarks/reference_curves.json, copied from ../shared/reference
-(see "source" in it); regenerate it with `python3 benchmarks/plot.py --write-reference ../shared/reference`.
+The published curves come from benchmarks/reference_curves.json (see "source" in it: the official
+score files, danijar/dreamerv3 scores/); regenerate it with `python3 benchmarks/plot.py --write-reference DIR`
+from per-suite summaries (DIR/{dmc_proprio,dmc_vision,atari100k}.json: frames, mean, std, seeds per task).
 They are training-episode returns, so they are drawn only for metrics ending in `/return`.
 `--reference auto` picks atari100k for atari_* tasks, and for dmc_* tasks dmc_proprio when the run's
 config encodes no images (encoder.cnn_keys '$^'), dmc_vision otherwise or when there is no config.yaml.
@@ -250,7 +251,7 @@ def _round(value):
 
 
 def build_reference(source_dir):
-    """The content of reference_curves.json from the files in ../shared/reference."""
+    """The content of reference_curves.json from the per-suite summaries in `source_dir`."""
     source_dir = pathlib.Path(source_dir)
     suites = {}
     first = None
@@ -272,9 +273,10 @@ def build_reference(source_dir):
         }
     return {
         "source": ("Published DreamerV3 learning curves: the score files behind the DreamerV3 paper's curves "
-                   "(github.com/danijar/dreamerv3, scores/), as summarised in ../shared/reference/"
-                   "{dmc_proprio,dmc_vision,atari100k}.json; copied here with values rounded to 1 decimal "
-                   "by `python3 benchmarks/plot.py --write-reference ../shared/reference`."),
+                   "(github.com/danijar/dreamerv3, scores/), summarised per task as "
+                   "{dmc_proprio,dmc_vision,atari100k}.json (frames, mean, std and seeds of each task) and "
+                   "copied here with values rounded to 1 decimal by `python3 benchmarks/plot.py "
+                   "--write-reference DIR`, DIR the folder of those summaries."),
         "metric": first["metric"],
         "x": first["x"],
         "suites": suites,
@@ -438,7 +440,7 @@ def main(argv=None):
     parser.add_argument("--table", action="store_true",
                         help="also print every curve's binned means (frames value, ...), the figure's numbers")
     parser.add_argument("--write-reference", metavar="DIR",
-                        help="rebuild benchmarks/reference_curves.json from DIR (../shared/reference) and exit")
+                        help="rebuild benchmarks/reference_curves.json from the per-suite summaries in DIR and exit")
     args = parser.parse_args(argv)
     try:
         if args.write_reference:

@@ -1,0 +1,215 @@
+"""What a user reads before a run: --help from configs.yaml, the start-up summary's costs, the
+one-line environment status, `debug` on any task, and the README files' commands, flags and links."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dreamer
+import envs
+import tools
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "envs" / "README.md"]
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "dreamer.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+# -- --help from configs.yaml ----------------------------------------------------------------------
+
+
+def test_every_default_key_has_a_comment_and_appears_in_help():
+    rows = tools.config_reference()
+    defaults = tools.flatten(tools.load_presets()["defaults"])
+    assert [key for key, _, _ in rows] == list(defaults)  # every key, in the file's order
+    assert not [key for key, _, comment in rows if not comment], "keys without a comment in configs.yaml"
+    text = dreamer.usage()
+    for key, default, comment in rows:
+        line = next((line for line in text.splitlines() if line.strip().startswith(f"--{key} ")), None)
+        assert line is not None, key
+        assert default in line and comment[:40] in line, line
+
+
+def test_help_topic_narrows_and_an_unknown_one_is_one_line():
+    result = run_cli("--help", "critic")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines and all(line.strip().startswith("--critic.") for line in lines), lines
+    assert any("--critic.repval 0.0" in line and "replay value loss" in line for line in lines)
+    result = run_cli("--help", "nosuchkey")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "No config key starts with 'nosuchkey'; groups: actor, " in result.stderr
+
+
+def test_continuation_comment_lines_join_their_key():
+    rows = {key: comment for key, _, comment in tools.config_reference()}
+    assert rows["imag_gradient"].endswith("(backprop through the model) | reinforce | both")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_answers_help(script):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.lower().startswith("usage"), result.stdout[:300]
+
+
+# -- the run's cost in the start-up summary ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, expected", [
+    # pretrain + (steps - prefill) / action_repeat * train_ratio / (batch_size * batch_length), by hand:
+    ("dmc_proprio", 100 + (500_000 - 2500) // 2 * 512 // (16 * 64)),  # 124,475
+    ("atari100k", 100 + (400_000 - 2500) // 4 * 1024 // (16 * 64)),  # 99,475
+    ("debug", 1 + int((600 - 1) / 2 * 32 / (10 * 20))),  # 48
+])
+def test_total_updates_equal_a_hand_computation(preset, expected):
+    config = dreamer.parse(["--configs", preset])
+    assert dreamer.total_updates(config) == expected
+
+
+def test_replay_memory_estimate_matches_a_filled_replay():
+    config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
+    env = envs.make_env(config, "train", 0)
+    spec = tools.episode_spec(env.obs_space, env.act_space)
+    replay = tools.Replay(config.dataset_size, 1)
+    obs, rng = env.reset(), np.random.default_rng(0)
+    for _ in range(config.dataset_size + 50):  # filled to capacity, and past it
+        action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
+        replay.add(tools.strip_logs({**obs, "action": action, "reward": np.float32(0), "task": np.int32(0)}))
+        obs, _, done, _ = env.step(action)
+        if done:
+            obs = env.reset()
+    estimate = tools.step_bytes(spec) * config.dataset_size
+    assert replay.nbytes == pytest.approx(estimate, rel=0.1)
+    lines = dreamer.cost_lines(config, spec, free=10**12)
+    assert len(lines) == 1 and lines[0].startswith("Cost: 48 updates to 600 frames; replay ")
+    assert f"({config.dataset_size:,} steps x {tools.step_bytes(spec):,} bytes)" in lines[0]
+
+
+def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
+    config = dreamer.parse(["--configs", "dmc_vision"])
+    spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
+    lines = dreamer.cost_lines(config, spec, free=2 * 10**9)
+    assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 12.3 GB of memory at capacity")
+    assert lines[1].startswith("WARNING: the replay needs 12.3 GB at capacity and 2 GB of memory is free")
+    assert "--dataset_size" in lines[1]
+
+
+# -- the environments' status in one line -------------------------------------------------------------
+
+
+def test_status_of_many_environments_is_one_line():
+    rows = [{"steps": 100 + i, "episodes": 1, "last_return": 0.0, "restarts": 2 if i == 5 else 0,
+             "fps": 10.0 + i, "step_ms": 5.0 if i else float("nan")} for i in range(16)]
+    line = dreamer.env_status_line(rows)
+    assert "\n" not in line
+    assert line == ("  envs 16 (min/median/max): steps 100/108/115 | episodes 16 | fps 10.0/17.5/25.0 | "
+                    "step 5.0/5.0/5.0 ms | restarted: env 5 (2x)")
+
+
+# -- debug on any task; seeds in range ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["gym_CartPole-v1", "crafter_reward"])
+def test_debug_runs_on_vector_and_image_tasks(tmp_path, task):
+    result = run_cli("--configs", "debug", "--task", task, "--logdir", str(tmp_path / "run"), "--steps", "60",
+                     "--eval_episode_num", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "run" / "latest.pt").exists()
+
+
+def test_seed_out_of_range_is_one_line():
+    result = run_cli("--configs", "debug", "--seed", "-1", "--logdir", "/tmp/never-written")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: Invalid value '-1' for --seed; valid: a whole number in [0, 2^31)"
+    assert not pathlib.Path("/tmp/never-written").exists()
+
+
+def test_choice_errors_name_auto():
+    for key in ("compile", "parallel"):
+        with pytest.raises(tools.ConfigError, match=f"Invalid value 'maybe' for --{key}; valid: auto, True, False"):
+            dreamer.parse([f"--{key}", "maybe"])
+
+
+# -- the README files ----------------------------------------------------------------------------------
+
+
+def fenced_commands(text):
+    """The shell lines of ```bash / ```sh / ``` blocks, with continuations joined."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", text, re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.strip().removeprefix("$ ") for line in joined.splitlines() if line.strip()]
+    return commands
+
+
+def dreamer_args(command):
+    """The arguments after `dreamer.py` in a shell command line, without env assignments or pipes."""
+    words = command.split("|")[0].split("#")[0].split()
+    if "dreamer.py" not in " ".join(words):
+        return None
+    index = next(i for i, word in enumerate(words) if word.endswith("dreamer.py"))
+    args = []
+    for word in words[index + 1:]:
+        if word in ("&&", ";", ">", "2>&1") or word.startswith(">"):
+            break
+        args.append(word.strip("'\""))
+    return args
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_documented_dreamer_command_parses(doc):
+    commands = [dreamer_args(c) for c in fenced_commands(doc.read_text())]
+    commands = [c for c in commands if c is not None]
+    if doc.name == "README.md" and doc.parent == ROOT:
+        assert len(commands) >= 5, "the README shows how to run"
+    for args in commands:
+        if "--help" in args:
+            continue
+        dreamer.parse([arg for arg in args if "$" not in arg])  # raises ConfigError on any bad key or value
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_flag_named_in_the_prose_exists(doc):
+    keys = set(tools.flatten(tools.load_presets()["defaults"])) | {"configs", "help"}
+    script_flags = set()
+    for script in (ROOT / "benchmarks").glob("*.py"):
+        script_flags |= set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", script.read_text()))
+    torchrun = {"nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone", "rdzv_backend",
+                "rdzv_endpoint", "rdzv_id", "index-url", "extra-index-url", "upgrade"}
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    unknown = {flag for flag in re.findall(r"(?<![\w-])--([a-zA-Z][\w.-]*)", text)
+               if flag not in keys | script_flags | torchrun}
+    assert not unknown, f"flags in {doc.name} that nothing takes: {sorted(unknown)}"
+
+
+def anchors(text):
+    slugs = set()
+    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slugs.add(slug)
+    return slugs
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(doc):
+    text = doc.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f"{doc.name}: link to {target}: no {file}"
+        if anchor:
+            assert file.suffix == ".md" and anchor in anchors(file.read_text()), f"{doc.name}: no anchor {target}"
