@@ -213,3 +213,12 @@ def test_every_relative_link_and_anchor_resolves(doc):
         assert file.exists(), f"{doc.name}: link to {target}: no {file}"
         if anchor:
             assert file.suffix == ".md" and anchor in anchors(file.read_text()), f"{doc.name}: no anchor {target}"
+
+
+def test_code_layout_table_names_every_top_level_module():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Code layout"):]
+    table = table[:table.index("\n## ", 4)]
+    named = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
+    modules = {p.name for p in ROOT.glob("*.py")} | {"envs/", "configs.yaml", "benchmarks/"}
+    assert named == modules, f"README's code layout: missing {sorted(modules - named)}, extra {sorted(named - modules)}"
