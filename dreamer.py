@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import pathlib
-import random
 import signal
 import sys
 import tempfile
@@ -175,15 +174,7 @@ def usage(topic=None):
     comment from configs.yaml (tools.config_reference); TOPIC, a group or key prefix such as
     `actor` or `dyn_`, narrows the keys."""
     presets = [name for name in tools.load_presets() if name != "defaults"]
-    rows = tools.config_reference()
-    if topic is not None:
-        rows = [row for row in rows if row[0].startswith(topic)]
-        if not rows:
-            groups = sorted({key.split(".")[0] for key, _, _ in tools.config_reference() if "." in key})
-            raise tools.ConfigError(f"No config key starts with '{topic}'; groups: {', '.join(groups)} "
-                                    "(or any key prefix, e.g. dyn_)")
-    width = max(len(f"--{key} {default}") for key, default, _ in rows) + 2
-    lines = [f"  {f'--{key} {default}':<{width}}{comment}" for key, default, comment in rows]
+    lines = tools.config_help(topic)
     if topic is not None:
         return "\n".join(lines)
     return "\n".join([
@@ -478,7 +469,6 @@ class Trainer:
         # kill -9), so that all run the same number of iterations.
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
-        self.prefill_behavior = exploration.Random(config, train_envs[0].act_space) if train_envs else None
         self.collector = (parallel.Collector(train_envs, self.replay, self.traindir, self.on_episode,
                                              config.action_repeat, agent.context, config.chunk_size)
                           if train_envs else None)
@@ -487,7 +477,7 @@ class Trainer:
         self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
-        self.warmed_up = set()  # names of the compiled calls made once already
+        self.first_calls = tools.FirstCalls("compile warm-up", lambda: self.progress.interactive)
 
     @property
     def frames(self):
@@ -536,19 +526,8 @@ class Trainer:
         return self.announce_compilation("first policy step", self.agent.policy, obs, state, mode)
 
     def announce_compilation(self, name, fn, *args):
-        """fn(*args). With compile on, the first call of each kind compiles (minutes on a CPU): it
-        gets a progress bar or log lines of its own, so that the wait is not silent."""
-        if not self.agent.compiled or name in self.warmed_up:
-            return fn(*args)
-        self.warmed_up.add(name)
-        with tools.Phase(f"compile warm-up ({name})", 1, "call", self.progress.interactive) as phase:
-            out = fn(*args)
-            phase.update(1)
-        return out
-
-    def random_policy(self, obs, state):
-        """Uniform actions for the prefill (the Random behaviour's actor ignores its input)."""
-        return self.prefill_behavior.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
+        """fn(*args); with compile on, the first call of each kind (it compiles) is a phase of its own."""
+        return self.first_calls(name, fn, *args) if self.agent.compiled else fn(*args)
 
     def update(self, count, phase=None):
         config = self.config
@@ -568,23 +547,11 @@ class Trainer:
 
     def train(self):
         """Prefill and pretrain, then the loop (`SyncLoop` or `AsyncLoop`) until `steps` frames."""
-        config = self.config
         self.run_log.open()
         try:
             with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
-                    if self.collector is not None and self.frames < config.prefill:
-                        with tools.Phase("prefill", config.prefill, "frame", self.progress.interactive) as phase:
-                            while self.frames < config.prefill:
-                                self.collect(self.random_policy)
-                                phase.update(min(self.frames, config.prefill))
-                                self.agreement.settle(True)  # no updates in the prefill: its steps are the boundary
-                                self.stop_if_asked()
-                    if config.pretrain:
-                        with tools.Phase("pretrain", config.pretrain, "update", self.progress.interactive) as phase:
-                            self.update(config.pretrain, phase)
-                    # The prefill's steps count as paid for: training starts at the train ratio.
-                    self.schedules["train"].updates = self.schedules["train"].owed(self.counters.policy_steps)
+                    prefill_and_pretrain(self)
                 self.loop.run()
                 if self.evaluates:
                     self.evaluate()
@@ -624,6 +591,28 @@ class Trainer:
 # ==================================================================================================
 # The loops: synchronous and asynchronous collection
 # ==================================================================================================
+
+
+def prefill_and_pretrain(trainer):
+    """Before the loop: `prefill` frames of uniform random actions, then `pretrain` updates; the
+    prefill's steps count as paid for, so that training starts at the train ratio."""
+    config, interactive = trainer.config, trainer.progress.interactive
+    if trainer.collector is not None and trainer.frames < config.prefill:
+        uniform = exploration.Random(config, trainer.train_envs[0].act_space)  # its actor ignores the input
+
+        def random_policy(obs, state):
+            return uniform.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
+
+        with tools.Phase("prefill", config.prefill, "frame", interactive) as phase:
+            while trainer.frames < config.prefill:
+                trainer.collect(random_policy)
+                phase.update(min(trainer.frames, config.prefill))
+                trainer.agreement.settle(True)  # no updates in the prefill: its steps are the boundary
+                trainer.stop_if_asked()
+    if config.pretrain:
+        with tools.Phase("pretrain", config.pretrain, "update", interactive) as phase:
+            trainer.update(config.pretrain, phase)
+    trainer.schedules["train"].updates = trainer.schedules["train"].owed(trainer.counters.policy_steps)
 
 
 class SyncLoop:
@@ -794,7 +783,7 @@ class Checkpoints:
                                      f"{stored * config.action_repeat} frames of episodes: training starts from "
                                      "fresh weights and the frame count continues from them")
             return False
-        check_fits(trainer.agent, state["agent"], path)
+        tools.check_fits(trainer.agent, state["agent"], path)
         saved_ranks = state.get("world_size", 1)
         if saved_ranks != ranks.world_size:
             raise tools.ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
@@ -827,7 +816,7 @@ class Checkpoints:
             if trainer.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
                 trainer.counters.stored_steps = tools.stored_steps(trainer.traindir)
             # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-            own = ranks.gather_object({"rng": rng_state(trainer.replay.rng),
+            own = ranks.gather_object({"rng": tools.rng_state(trainer.replay.rng),
                                        "stored_steps": trainer.counters.stored_steps})
             if not ranks.is_main:
                 self.saved_frames, self.saved_at = trainer.frames, (trainer.frames, trainer.counters.updates)
@@ -874,7 +863,7 @@ class Checkpoints:
         trainer.schedules["log"].last = state["schedules"]["log"]
         trainer.schedules["eval"].last = state["schedules"]["eval"]
         rank = trainer.ranks.rank
-        set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], trainer.replay.rng)
+        tools.set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], trainer.replay.rng)
         return changes
 
 
@@ -889,40 +878,6 @@ class Interrupted(KeyboardInterrupt):
 def raise_interrupted(signum, frame):
     raise Interrupted()
 
-
-def rng_state(replay_rng):
-    """Every random state as tensors and plain lists, so checkpoints load with weights_only."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
-            "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
-
-
-def set_rng_state(state, replay_rng):
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    replay_rng.bit_generator.state = state["replay"]
-
-
-def check_fits(agent, saved, path):
-    """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
-    current = agent.state_dict()
-    differ = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
-    missing = [k for k in current if k not in saved]
-    unexpected = [k for k in saved if k not in current]
-    if not (differ or missing or unexpected):
-        return
-    if differ:
-        key = differ[0]
-        example = f"{key} is {tuple(saved[key].shape)} there, {tuple(current[key].shape)} here"
-    else:
-        example = f"{(missing or unexpected)[0]} is only {'here' if missing else 'there'}"
-    raise tools.ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
-                      f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
-                      "saved config.yaml or use another --logdir")
 
 # ==================================================================================================
 # The run log
@@ -1029,7 +984,7 @@ class RunLog:
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
         if not self.progress.interactive:
-            print(env_status_line(rows), flush=True)
+            print(tools.env_status_line(rows), flush=True)
 
     @property
     def evaluates(self):
@@ -1074,24 +1029,6 @@ class RunLog:
         update, value = first[key]
         raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
                              f"without saving ({self.trainer.checkpoints.kept()})")
-
-
-def env_status_line(rows):
-    """One line for the environments' status rows (parallel.Collector.status), however many there
-    are: steps, episodes, fps and step time as min/median/max, and the environments whose worker
-    was restarted."""
-    def spread(key, digits=1):
-        values = np.array([row[key] for row in rows], float)
-        values = values[np.isfinite(values)]
-        if not len(values):
-            return "-"
-        low, mid, high = np.min(values), np.median(values), np.max(values)
-        return f"{low:.{digits}f}/{mid:.{digits}f}/{high:.{digits}f}"
-
-    restarted = [f"{i} ({row['restarts']}x)" for i, row in enumerate(rows) if row.get("restarts")]
-    return (f"  envs {len(rows)} (min/median/max): steps {spread('steps', 0)} | episodes "
-            f"{sum(row['episodes'] for row in rows)} | fps {spread('fps')} | step {spread('step_ms')} ms"
-            + (f" | restarted: env {', '.join(restarted)}" if restarted else ""))
 
 
 def episode_stats(episode):
@@ -1160,7 +1097,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device)
     for note in notes:
         print(f"WARNING: {note}", flush=True)
-    check_fits(agent, state["agent"], path)
+    tools.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
     returns = [episode_stats(e)["return"] for e in episodes]
@@ -1177,18 +1114,11 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
                                      "std": float(np.std(task_returns))}
     tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
     if "image" in episodes[0]:
-        write_mp4(out / "episode.mp4", episodes[0]["image"])
+        tools.write_mp4(out / "episode.mp4", episodes[0]["image"])
     print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
           f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
     return result
 
-
-def write_mp4(path, frames, fps=30):
-    import imageio.v2 as imageio
-
-    tmp = path.with_name(f".{path.stem}.tmp.mp4")
-    imageio.mimwrite(tmp, list(frames), fps=fps, format="FFMPEG", macro_block_size=1)
-    os.replace(tmp, path)
 
 # ==================================================================================================
 # The start-up summary
@@ -1226,34 +1156,10 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
-        *(cost_lines(config, spec) if spec is not None else []),
+        *(tools.cost_lines(config, spec) if spec is not None else []),
         "Changed from defaults: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "none"),
     ]
     return "\n".join(lines)
-
-
-def total_updates(config):
-    """Updates a run makes from its start to `steps` frames: the pretraining, then train_ratio replayed
-    steps per policy step after the prefill (Trainer.train: the prefill's steps count as paid for)."""
-    policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
-    return config.pretrain + int(policy_steps * config.train_ratio / (config.batch_size * config.batch_length))
-
-
-def cost_lines(config, spec, free=None):
-    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps,
-    the episode files' disk per million steps; a WARNING when the replay cannot fit in the memory
-    free now (`free`, bytes; by default tools.available_memory())."""
-    step = tools.step_bytes(spec)
-    replay = step * config.dataset_size
-    free = tools.available_memory() if free is None else free
-    gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
-    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of memory at "
-             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
-             "million steps on disk (compressed .npz, images usually less)"]
-    if free is not None and replay > free:
-        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of memory is free; the run "
-                     "will run out of memory as the replay fills: lower --dataset_size")
-    return lines
 
 
 def compile_note(config, auto=False):

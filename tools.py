@@ -655,6 +655,23 @@ def select_keys(obs_space, cnn_pattern, mlp_pattern):
     return cnn, mlp
 
 
+def cost_lines(config, spec, free=None):
+    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps,
+    the episode files' disk per million steps; a WARNING when the replay cannot fit in the memory
+    free now (`free`, bytes; by default available_memory())."""
+    step = step_bytes(spec)
+    replay = step * config.dataset_size
+    free = available_memory() if free is None else free
+    gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of memory at "
+             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
+             "million steps on disk (compressed .npz, images usually less)"]
+    if free is not None and replay > free:
+        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of memory is free; the run "
+                     "will run out of memory as the replay fills: lower --dataset_size")
+    return lines
+
+
 # ==================================================================================================
 # 3. Logging and checkpoint files
 # ==================================================================================================
@@ -1200,6 +1217,68 @@ class Phase:
             print(message, flush=True)
 
 
+def env_status_line(rows):
+    """One line for the environments' status rows (parallel.Collector.status), however many there
+    are: steps, episodes, fps and step time as min/median/max, and the environments whose worker
+    was restarted."""
+    def spread(key, digits=1):
+        values = np.array([row[key] for row in rows], float)
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return "-"
+        low, mid, high = np.min(values), np.median(values), np.max(values)
+        return f"{low:.{digits}f}/{mid:.{digits}f}/{high:.{digits}f}"
+
+    restarted = [f"{i} ({row['restarts']}x)" for i, row in enumerate(rows) if row.get("restarts")]
+    return (f"  envs {len(rows)} (min/median/max): steps {spread('steps', 0)} | episodes "
+            f"{sum(row['episodes'] for row in rows)} | fps {spread('fps')} | step {spread('step_ms')} ms"
+            + (f" | restarted: env {', '.join(restarted)}" if restarted else ""))
+
+
+def check_fits(agent, saved, path):
+    """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
+    current = agent.state_dict()
+    differ = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if not (differ or missing or unexpected):
+        return
+    if differ:
+        key = differ[0]
+        example = f"{key} is {tuple(saved[key].shape)} there, {tuple(current[key].shape)} here"
+    else:
+        example = f"{(missing or unexpected)[0]} is only {'here' if missing else 'there'}"
+    raise ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
+                      f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
+                      "saved config.yaml or use another --logdir")
+
+
+def write_mp4(path, frames, fps=30):
+    import imageio.v2 as imageio
+
+    tmp = path.with_name(f".{path.stem}.tmp.mp4")
+    imageio.mimwrite(tmp, list(frames), fps=fps, format="FFMPEG", macro_block_size=1)
+    os.replace(tmp, path)
+
+
+class FirstCalls:
+    """Calls of a kind that is slow the first time (a compiling update: minutes on a CPU): the first
+    call of each `name` is a Phase of its own, a bar in a terminal or log lines, so that the wait is
+    not silent; later ones run plainly. `interactive()` says whether stdout is a terminal."""
+
+    def __init__(self, label, interactive):
+        self.label, self.interactive, self.seen = label, interactive, set()
+
+    def __call__(self, name, fn, *args):
+        if name in self.seen:
+            return fn(*args)
+        self.seen.add(name)
+        with Phase(f"{self.label} ({name})", 1, "call", self.interactive()) as phase:
+            out = fn(*args)
+            phase.update(1)
+        return out
+
+
 # ==================================================================================================
 # 4. Schedules
 # ==================================================================================================
@@ -1366,6 +1445,13 @@ class _Timed:
 
     def __exit__(self, *exc):
         self.seconds[self.name] += time.perf_counter() - self.start
+
+
+def total_updates(config):
+    """Updates a run makes from its start to `steps` frames: the pretraining, then train_ratio replayed
+    steps per policy step after the prefill (Trainer.train: the prefill's steps count as paid for)."""
+    policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
+    return config.pretrain + int(policy_steps * config.train_ratio / (config.batch_size * config.batch_length))
 
 
 # ==================================================================================================
@@ -1626,6 +1712,23 @@ def keep_freed_memory():
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def rng_state(replay_rng):
+    """Every random state as tensors and plain lists, so checkpoints load with weights_only."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
+
+
+def set_rng_state(state, replay_rng):
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    replay_rng.bit_generator.state = state["replay"]
 
 
 # ==================================================================================================
@@ -1904,6 +2007,20 @@ def config_reference(path=CONFIG_FILE):
             continue
         rows.append((".".join([*parents, key.strip()]), value.strip(), comment.strip()))
     return rows
+
+
+def config_help(topic=None):
+    """The lines of `--help [TOPIC]`: every key with its default and comment (config_reference),
+    those starting with TOPIC (a group or key prefix) when given; an unknown TOPIC is a ConfigError."""
+    rows = config_reference()
+    if topic is not None:
+        rows = [row for row in rows if row[0].startswith(topic)]
+        if not rows:
+            groups = sorted({key.split(".")[0] for key, _, _ in config_reference() if "." in key})
+            raise ConfigError(f"No config key starts with '{topic}'; groups: {', '.join(groups)} "
+                              "(or any key prefix, e.g. dyn_)")
+    width = max(len(f"--{key} {default}") for key, default, _ in rows) + 2
+    return [f"  {f'--{key} {default}':<{width}}{comment}" for key, default, comment in rows]
 
 
 def _split_comment(line):

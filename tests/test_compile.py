@@ -21,10 +21,13 @@ import networks
 import tools
 
 DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
+# The reference update below decodes the image alone: the debug preset keeps every observation key.
+IMAGE_ONLY = ("--encoder.mlp_keys", "$^", "--encoder.cnn_keys", "image", "--decoder.mlp_keys", "$^",
+              "--decoder.cnn_keys", "image")
 
 
 def make_agent_and_batch(compile_, *flags):
-    config = dreamer.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *flags])
+    config = dreamer.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *IMAGE_ONLY, *flags])
     env = envs.make_env(config, "train", 0)
     replay = tools.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)

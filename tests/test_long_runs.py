@@ -495,15 +495,15 @@ def test_a_write_that_fails_stops_with_one_line_keeps_the_checkpoint_and_the_rer
 
 def test_a_stop_in_the_prefill_saves_and_the_rerun_finishes_the_prefill_and_pretrains(tmp_path, capsys, monkeypatch):
     logdir, calls = tmp_path / "run", []
-    random_policy = dreamer.Trainer.random_policy
+    collect = dreamer.Trainer.collect
 
-    def interrupted(self, obs, state):
+    def interrupted(self, policy):  # the fifth step of the 30-step prefill is interrupted
         calls.append(1)
         if len(calls) == 5:
             raise KeyboardInterrupt
-        return random_policy(self, obs, state)
+        return collect(self, policy)
 
-    monkeypatch.setattr(dreamer.Trainer, "random_policy", interrupted)
+    monkeypatch.setattr(dreamer.Trainer, "collect", interrupted)
     flags = [*SHORT, "--prefill", "60", "--pretrain", "2", "--steps", "80", "--logdir", str(logdir)]
     code, _, err = main(capsys, *flags)
     assert code == 130, err
