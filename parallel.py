@@ -48,7 +48,7 @@ class Damy:
     thread prefills and an actor thread then steps (dreamer.AsyncLoop) needs this.
     """
 
-    in_process = True  # it steps when asked, in the caller's process: dreamer.Collector asks it last
+    in_process = True  # it steps when asked, in the caller's process: parallel.Collector asks it last
 
     def __init__(self, ctor, index=0, own_thread=False):
         self.index = index
@@ -277,7 +277,7 @@ class Parallel:
     call raises `WorkerError`, and so does every later call.
     """
 
-    in_process = False  # a request returns at once: dreamer.Collector sends these first
+    in_process = False  # a request returns at once: parallel.Collector sends these first
 
     def __init__(self, ctor, index=0, restart=True, timeout=600, shared_memory=True):
         self.index, self.restart, self.timeout, self.shared_memory = index, restart, timeout, shared_memory

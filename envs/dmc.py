@@ -1,7 +1,6 @@
 """DeepMind Control Suite: `dmc_<domain>_<task>`, e.g. dmc_walker_walk, dmc_ball_in_cup_catch."""
 
 import difflib
-import os
 import re
 
 import gymnasium
@@ -14,7 +13,7 @@ CAMERAS = {"quadruped": 2}
 
 
 def _suite():
-    os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering; a value the user set wins
+    wrappers.headless_rendering()  # before MuJoCo is imported; a value the user set wins
     from dm_control import suite
 
     return suite

@@ -22,7 +22,7 @@ import numpy as np
 
 from envs import wrappers
 
-RESERVED = ("is_first", "is_last", "is_terminal", "reward", "action", "task")  # task: see dreamer.Collector
+RESERVED = ("is_first", "is_last", "is_terminal", "reward", "action", "task")  # task: see parallel.Collector
 
 
 def _resolve(name):

@@ -10,7 +10,6 @@ on top of the package's own; set it to 0 to keep the standard lengths for the la
 Rendering goes through MuJoCo; MUJOCO_GL defaults to egl (headless) unless the user set it.
 """
 
-import os
 
 import gymnasium
 import numpy as np
@@ -23,7 +22,7 @@ LENGTHS = {"9x9": 1000, "11x11": 2000, "13x13": 3000, "15x15": 4000}
 
 
 def _gym():
-    os.environ.setdefault("MUJOCO_GL", "egl")  # before MuJoCo is imported; a value the user set wins
+    wrappers.headless_rendering()  # before MuJoCo is imported; a value the user set wins
     # memory_maze registers its MemoryMaze-* environments with gym on import.
     gym, _ = wrappers.import_quietly(["gym", "memory_maze"], "Memory Maze tasks need memory-maze and gym: "
                                      "pip install memory-maze==1.0.3 gym==0.26.2 (or pip install -r requirements.txt)")

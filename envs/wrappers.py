@@ -3,6 +3,8 @@
 import contextlib
 import importlib
 import io
+import os
+import sys
 
 import gymnasium
 import numpy as np
@@ -156,3 +158,10 @@ class TaskEnv(Wrapper):
         own = np.zeros(self.size, np.float32)
         own[index if index < self.size else self.noop] = 1.0
         return self.env.step(own)
+
+
+def headless_rendering():
+    """MuJoCo renders with EGL (no display needed) on Linux unless the user chose a back end
+    (MUJOCO_GL); elsewhere, e.g. on macOS where EGL does not exist, MuJoCo's own default (glfw) stays."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("MUJOCO_GL", "egl")
