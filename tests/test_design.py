@@ -1,6 +1,7 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
 that no term escapes, one loss function per learner shared by both update modes, a read-only
-config, compilation of every network a preset builds, and imports in one direction."""
+config, choices declared once, and imports in one direction (compilation of every network a preset
+builds: tests/test_compile.py)."""
 
 import ast
 import pathlib
@@ -216,55 +217,6 @@ def test_every_choice_is_declared_by_one_module():
     assert set(keys) == set(dreamer.CHOICES)
     defaults = tools.flatten(tools.load_presets()["defaults"])
     assert set(keys) <= set(defaults), set(keys) - set(defaults)
-
-
-# -- compilation covers what the presets build -----------------------------------------------------
-
-# Network classes that run inside a compiled body or step function, or only glue compiled ones.
-COMPILED_INSIDE = {
-    "Head": "its body is an MLP",
-    "Actor": "its body is an MLP",
-    "MultiEncoder": "concatenates its keys around the compiled CNN and MLP",
-    "MultiDecoder": "splits the compiled CNN's and MLP's outputs into keys",
-    "RSSM": "its per-step functions obs_step and img_step are compiled",
-    "GRUCell": "inside the compiled RSSM steps",
-    "BlockGRUCell": "inside the compiled RSSM steps",
-    "BlockLinear": "inside the compiled RSSM steps",
-    "RMSNorm": "inside compiled bodies",
-    "ChannelNorm": "inside compiled bodies",
-    "ChannelRMSNorm": "inside compiled bodies",
-    "Plan2Explore": "holds the compiled ensemble and an actor-critic of compiled MLPs",
-    "Random": "no network",
-}
-
-
-@pytest.mark.parametrize("flags", [
-    [],  # v1, image encoder and decoder
-    ["--encoder.mlp_keys", ".*", "--encoder.cnn_keys", "$^", "--decoder.mlp_keys", ".*", "--decoder.cnn_keys", "$^"],
-    ["--configs", "debug", "recipe2024"],  # pooled encoder, upsample decoder, block GRU
-    ["--expl_behavior", "plan2explore"],
-])
-def test_every_network_a_preset_builds_is_compiled(flags):
-    if flags[:1] == ["--configs"]:
-        config = dreamer.parse([*flags, "--device", "cpu", "--compile", "True"])
-    else:
-        config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--compile", "True", *flags])
-    env = envs.make_env(config, "train", 0)
-    agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
-    ours = {networks.__name__, exploration.__name__}
-    for name, module in agent.named_modules():
-        kind = type(module)
-        if kind.__module__ not in ours:
-            continue
-        if isinstance(module, networks.COMPILED + exploration.COMPILED):
-            if name.endswith(".critic.mlp"):  # stated in Dreamer.compile_steps
-                assert not isinstance(module.forward, networks.Compiled), name
-            else:
-                assert isinstance(module.forward, networks.Compiled), name
-        else:
-            assert kind.__name__ in COMPILED_INSIDE, f"{name}: {kind.__name__} is neither compiled nor covered"
-    assert isinstance(agent.wm.rssm.obs_step, networks.Compiled)
-    assert isinstance(agent.wm.rssm.img_step, networks.Compiled)
 
 
 # -- imports in one direction ----------------------------------------------------------------------
