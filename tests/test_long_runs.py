@@ -17,13 +17,13 @@ import subprocess
 import sys
 import time
 
-import gymnasium
 import numpy as np
 import pytest
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from stand_ins import CountingEnv, latent_policy  # noqa: E402
 
 import dreamer  # noqa: E402
 import models  # noqa: E402
@@ -79,37 +79,6 @@ def test_clock_is_due_once_its_seconds_passed_and_restarts_at_reset():
     now[0] = 110.0
     assert clock()
     assert not tools.Clock(0, now=lambda: now[0])() and not tools.Clock(-1)()  # 0: never on the clock
-
-
-class CountingEnv:
-    """Observation x = t; episodes of `length` steps after the first."""
-
-    obs_space = {"x": gymnasium.spaces.Box(-np.inf, np.inf, (), np.float32)}
-    act_space = gymnasium.spaces.Box(-1, 1, (1,), np.float32)
-
-    def __init__(self, length):
-        self.length, self.t = length, 0
-
-    def obs(self):
-        return {"x": np.float32(self.t), "is_first": self.t == 0, "is_last": self.t == self.length,
-                "is_terminal": False}
-
-    def reset(self):
-        self.t = 0
-        obs = self.obs()
-        return lambda: obs
-
-    def step(self, action):
-        self.t += 1
-        obs = self.obs()
-        return lambda: (obs, 1.0, self.t == self.length, {})
-
-
-def latent_policy(obs, state):
-    """A stand-in policy whose latent is a function of the step it saw: deter = x + 0.5 (never 0)."""
-    x = torch.as_tensor(obs["x"])
-    latent = {"deter": (x + 0.5)[:, None].repeat(1, 3), "stoch": (x + 0.25)[:, None, None].repeat(1, 2, 2)}
-    return np.zeros((len(x), 1), np.float32), (latent, None)
 
 
 def context():
