@@ -100,7 +100,8 @@ class WorldModel(nn.Module):
         self.terms = {*self.heads["decoder"].keys, "reward", "cont", "dyn", "rep"}  # this model's own
         missing = self.terms - set(self.scales)
         if missing:
-            raise ValueError(f"World-model loss terms without a scale in models.loss_scales: {', '.join(missing)}")
+            raise ValueError("World-model loss terms without a scale in models.loss_scales: "
+                             + ", ".join(sorted(missing)))
         self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
                                    config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
                                    warmup=config.warmup)

@@ -132,7 +132,7 @@ def test_encoder_and_decoder_convolutions_follow_kernel_size_and_minres(spaces, 
     with torch.no_grad():
         out = enc_agent.wm.encoder.cnn.net(image.permute(0, 3, 1, 2))
     assert out.shape == (2, 4 * 2 ** (stages - 1), minres, minres)  # cnn_depth 4, doubled per stage
-    assert enc_agent.wm.encoder.outdim == out[0].numel()
+    assert enc_agent.wm.encoder.outdim == out[0].numel() + enc_agent.wm.encoder.mlp.outdim  # + the vectors' MLP
     default_convs = [m for m in dec_agent.wm.encoder.cnn.net if isinstance(m, nn.Conv2d)]
     assert len(default_convs) == 2 and default_convs[0].kernel_size == (4, 4)
 

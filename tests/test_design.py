@@ -52,9 +52,10 @@ def test_loss_table_holds_every_term_with_its_configured_scale():
     agent, _ = make_agent("--reward_head.loss_scale", "0.5", "--cont_head.loss_scale", "2.0", "--dyn_scale",
                           "0.7", "--rep_scale", "0.2", "--critic.repval", "0.3")
     scales = agent.wm.scales
-    assert scales == {"image": 1.0, "reward": 0.5, "cont": 2.0, "dyn": 0.7, "rep": 0.2, "actor": 1.0,
-                      "critic": 1.0, "repval": 0.3}
-    assert agent.wm.terms == {"image", "reward", "cont", "dyn", "rep"}
+    # cartpole's image and its two vectors are decoded: a term each
+    assert scales == {"image": 1.0, "position": 1.0, "velocity": 1.0, "reward": 0.5, "cont": 2.0, "dyn": 0.7,
+                      "rep": 0.2, "actor": 1.0, "critic": 1.0, "repval": 0.3}
+    assert agent.wm.terms == {"image", "position", "velocity", "reward", "cont", "dyn", "rep"}
     # Plan2Explore's actor-critic reads the same table: there is one.
     p2e, _ = make_agent("--expl_behavior", "plan2explore")
     assert p2e.expl_behavior.behavior.wm[0] is p2e.wm
@@ -100,7 +101,7 @@ def test_a_term_without_a_scale_fails_loudly(monkeypatch):
     # A table without an entry the model computes is refused when the model is built.
     monkeypatch.setattr(models, "loss_scales", lambda config, keys: {"reward": 1.0, "cont": 1.0, "dyn": 1.0,
                                                                       "rep": 1.0})
-    with pytest.raises(ValueError, match="without a scale in models.loss_scales: image"):
+    with pytest.raises(ValueError, match="without a scale in models.loss_scales: image, position, velocity"):
         make_agent()
 
 

@@ -146,11 +146,19 @@ def test_choice_errors_name_auto():
 
 
 def fenced_commands(text):
-    """The shell lines of ```bash / ```sh / ``` blocks, with continuations joined."""
-    commands = []
-    for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", text, re.S):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        commands += [line.strip().removeprefix("$ ") for line in joined.splitlines() if line.strip()]
+    """The lines of the shell blocks (```sh, ```bash or a bare ```), continuations joined."""
+    commands, block = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if block is None:
+                block = [] if line.strip() in ("```", "```sh", "```bash", "```shell") else False
+            else:
+                if block:
+                    joined = re.sub(r"\\\n\s*", " ", "\n".join(block))
+                    commands += [c.strip().removeprefix("$ ") for c in joined.splitlines() if c.strip()]
+                block = None
+        elif block is not None and block is not False:
+            block.append(line)
     return commands
 
 
