@@ -47,7 +47,7 @@ CONFIG_FILE = pathlib.Path(__file__).parent / "configs.yaml"
 
 # Keys whose value must be one of a few names, checked before anything is created.
 CHOICES = {
-    "precision": (16, 32),
+    "precision": models.PRECISIONS,
     "act": tuple(networks.ACTIVATIONS),
     "opt": tuple(models.OPTIMIZERS),
     "initial": ("learned", "zeros"),
@@ -247,6 +247,7 @@ def parse_number(text, like):
 # parallel: by Resources, from measurement), and a count or 'auto' (envs: by Resources).
 BOOL_OR_AUTO = ("compile", "parallel")
 INT_OR_AUTO = ("envs",)
+NUMBER_OR_NAME = ("precision",)  # 32 | 16 | bf16: a name stays text, for check_choices to judge
 
 
 def parse_value(text, default):
@@ -312,6 +313,8 @@ def parse(argv, presets=None):
                 overrides[key] = "auto" if value == "auto" else parse_bool(value)
             elif key in INT_OR_AUTO:
                 overrides[key] = "auto" if value == "auto" else parse_count_or_auto(value)
+            elif key in NUMBER_OR_NAME and not value.replace(".", "", 1).isdigit():
+                overrides[key] = value
             else:
                 overrides[key] = parse_value(value, flat[key])
         except ValueError as e:
@@ -1168,6 +1171,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None):
                                   f"{agent.act_size}, the widest task's)" if per_task else ""),
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
         "Compile: " + compile_note(config, "compile" in agent.resolved),
+        "Precision: " + models.precision_note(config),
         "Actor: " + actor_note(config, agent.resolved),
         f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"
         + (" per process" if ranks is not None and ranks.world_size > 1 else ""),

@@ -51,6 +51,7 @@ class TwoHot:
     """
 
     def __init__(self, logits, low=-20.0, high=20.0, squash=True):
+        logits = logits.float()  # distribution parameters in float32 also under autocast (official code)
         self.logits = logits  # (..., bins)
         self.log_probs = torch.log_softmax(logits, -1)
         self.squash = squash
@@ -108,7 +109,7 @@ class SymlogMSE:
     """Regression in symlog space: the network predicts symlog(x)."""
 
     def __init__(self, pred, dims=1):
-        self.pred = pred
+        self.pred = pred.float()
         self.dims = tuple(range(-dims, 0))
 
     def mode(self):
@@ -125,7 +126,7 @@ class MSE:
     """Plain squared error, summed over the event dims (used for images in [0, 1])."""
 
     def __init__(self, pred, dims=1):
-        self.pred = pred
+        self.pred = pred.float()
         self.dims = tuple(range(-dims, 0))
 
     def mode(self):
@@ -142,7 +143,7 @@ class Bernoulli:
     """Continue flag: one logit per step, event shape (1,)."""
 
     def __init__(self, logits):
-        self.logits = logits  # (..., 1)
+        self.logits = logits.float()  # (..., 1)
 
     def mode(self):
         return (self.logits > 0).float()
@@ -167,7 +168,7 @@ class OneHot:
     """Categorical over the last dim with one-hot samples and straight-through gradients."""
 
     def __init__(self, logits, unimix=0.0):
-        self.logits = unimix_logits(logits, unimix)  # (..., classes)
+        self.logits = unimix_logits(logits.float(), unimix)  # (..., classes)
         self.log_probs = torch.log_softmax(self.logits, -1)
         self.probs = self.log_probs.exp()
 
@@ -199,6 +200,7 @@ class Normal:
     """
 
     def __init__(self, mean, std, absmax=None):
+        mean, std = mean.float(), std.float()
         self.dist = torch.distributions.Normal(mean, std)
         self.mean_ = mean
         self.absmax = absmax
