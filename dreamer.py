@@ -368,7 +368,9 @@ class Dreamer(nn.Module):
 
     def __init__(self, obs_space, act_space, config):
         super().__init__()
-        self.resolved = resolve_auto(config, act_space)  # settles every 'auto' key before anything is built
+        self.auto_notes = {}  # why an 'auto' key settled as it did, for the summary
+        # settles every 'auto' key before anything is built
+        self.resolved = resolve_auto(config, act_space, obs_space, self.auto_notes)
         self.config = config
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
@@ -1073,12 +1075,13 @@ class Resources:
             tools.atomic_write_bytes(self.path, json.dumps(self.record, indent=2).encode())
 
 
-def resolve_auto(config, act_space):
+def resolve_auto(config, act_space, obs_space=None, notes=None):
     """Settle the 'auto' keys, in place: the actor's distribution and gradient from the action
     space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot + reinforce,
-    continuous -> normal + dynamics) and compile from the device (on a CPU it measured no faster
-    than eager but adds a warm-up). Explicit values stay; an actor distribution that contradicts
-    the action space is a ConfigError. Returns the keys that were 'auto', for the summary."""
+    continuous -> normal + dynamics) and compile by models.compile_choice (on CUDA; on a CPU when
+    the run is long enough for the model at hand; without obs_space the model is unknown: eager).
+    Explicit values stay; an actor distribution that contradicts the action space is a
+    ConfigError. Returns the keys that were 'auto', for the summary; `notes` gets the reasons."""
     discrete = bool(getattr(act_space, "discrete", False))
     dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
     resolved = []
@@ -1088,13 +1091,19 @@ def resolve_auto(config, act_space):
     if config.imag_gradient == "auto":
         config.imag_gradient = gradient
         resolved.append("imag_gradient")
-    if config.compile == "auto":
-        config.compile = torch.device(config.device).type == "cuda"
-        resolved.append("compile")
     if config.actor.dist != dist:
         kind = "discrete" if discrete else "continuous"
         raise ConfigError(f"Invalid value '{config.actor.dist}' for --actor.dist: task '{config.task}' has {kind} "
                           f"actions; use --actor.dist {dist} (or auto)")
+    if config.compile == "auto":
+        if obs_space is None and torch.device(config.device).type != "cuda":
+            config.compile, reason = False, "on a CPU without the model to estimate its gain"
+        else:
+            counts = models.parameter_counts(obs_space, act_space, config) if obs_space is not None else None
+            config.compile, reason = models.compile_choice(config, counts)
+        resolved.append("compile")
+        if notes is not None:
+            notes["compile"] = reason
     return resolved
 
 
@@ -1134,14 +1143,19 @@ def save_config(config, path):
 
 
 def compile_note(config, auto=False):
-    """`auto`: the value was settled by resolve_auto rather than asked for."""
+    """`auto`: the value was settled by resolve_auto rather than asked for; a string: the reason
+    it gave (models.compile_choice)."""
     cpu = torch.device(config.device).type == "cpu"
+    if isinstance(auto, str):
+        flag = "--compile False turns it off" if config.compile else "--compile True compiles"
+        return f"{'on' if config.compile else 'off'} (auto: {auto}; {flag})"
     if not config.compile:
-        if auto and cpu:  # README, Performance: measured 0-14% slower there
-            return "off (auto: on a CPU compile measured no faster than eager; --compile True compiles)"
+        if auto and cpu:
+            return "off (auto: on a CPU the run is too short to repay the warm-up; --compile True compiles)"
         return "off"
     if cpu:
-        return "on (on a CPU it measured no faster than eager and adds a warm-up; --compile False turns it off)"
+        return ("on (on a CPU measured 1.1-1.3x faster per update after a warm-up of a minute or more; "
+                "--compile False turns it off)")
     return "on (the first updates include compilation)"
 
 
@@ -1170,7 +1184,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None):
                                   + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
                                   f"{agent.act_size}, the widest task's)" if per_task else ""),
         f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
-        "Compile: " + compile_note(config, "compile" in agent.resolved),
+        "Compile: " + compile_note(config, agent.auto_notes.get("compile", "compile" in agent.resolved)),
         "Precision: " + models.precision_note(config),
         "Actor: " + actor_note(config, agent.resolved),
         f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"

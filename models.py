@@ -427,6 +427,64 @@ def use_scaler(config):
     return config.precision == 16 and torch.device(config.device).type == "cuda"
 
 
+# -- compile auto: whether compiling pays for the run at hand ------------------------------------
+#
+# On a CPU `compile auto` compiles when the run is predicted to make enough updates for the time
+# compile saves to repay its warm-up: predicted updates x saved seconds per update > warm-up seconds.
+# Measured with benchmarks/train_speed.py on a shared 2-core CPU, one torch thread, batch 16x64, fp32:
+#   recipe2024 size1m, dmc_cartpole_balance: eager 1.42-1.49 s/update, --compile True 1.06-1.16 s
+#     (0.33 s saved; ~2.9e10 FLOPs per update by update_flops);
+#   v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s (1.03 s saved; ~5.0e11 FLOPs),
+#     for 80 s more warm-up.
+# The saved time per estimated FLOP is the smaller of the two (1.03 / 5.0e11 = 2.1e-12 s; size1m's is
+# 1.1e-11), and the warm-up the larger, so that the rule errs towards eager, which never costs a
+# warm-up. Not measured: more threads, vision models (update_flops counts conv layers once per
+# weight, an underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
+COMPILE_SAVED_S_PER_FLOP = 2.1e-12
+COMPILE_WARMUP_S = 80.0
+
+
+def parameter_counts(obs_space, act_space, config):
+    """The parameters of the world model, its RSSM and the task actor and critic that `config`
+    builds, counted on the meta device (no memory, no random numbers drawn)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        wm = WorldModel(obs_space, act_space, config)
+        behavior = ActorCritic(config, wm, act_space, reward_fn=None)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return {"world_model": count(wm), "rssm": count(wm.rssm), "actor": count(behavior.actor),
+            "critic": count(behavior.critic)}
+
+
+def update_flops(config, counts):
+    """Estimated floating-point operations of one update from the parameter counts: 2 per weight
+    and token forward, 4 backward. The world model runs forward and backward on the B x T replayed
+    steps; imagination starts from each of them and runs H + 1 steps of the RSSM (forward), the
+    actor (forward and backward), the critic (forward and backward) and the slow critic (forward)."""
+    tokens = config.batch_size * config.batch_length
+    imagined = tokens * (config.imag_horizon + 1)
+    return (6 * counts["world_model"] * tokens
+            + imagined * (2 * counts["rssm"] + 6 * counts["actor"] + 8 * counts["critic"]))
+
+
+def predicted_updates(config):
+    """Updates a run of `steps` frames makes at its train ratio (the prefill's steps owe none)."""
+    policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
+    return int(policy_steps * config.train_ratio / (config.batch_size * config.batch_length)) + config.pretrain
+
+
+def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, warmup_s=COMPILE_WARMUP_S):
+    """What `compile auto` settles to, and why: (decision, reason). On CUDA always (fused kernels,
+    fewer launches); on a CPU by the rule above, for the parameter counts `counts`."""
+    if torch.device(config.device).type == "cuda":
+        return True, "on CUDA compiled kernels are fused, with fewer launches per update"
+    updates = predicted_updates(config)
+    saved = saved_s_per_flop * update_flops(config, counts)
+    decision = updates * saved > warmup_s
+    verdict = "more" if decision else "less"
+    return decision, (f"on a CPU: {updates:,} updates x ~{saved:.3g} s saved each = {updates * saved:,.0f} s, "
+                      f"{verdict} than the ~{warmup_s:.0f} s warm-up")
+
+
 def lambda_return(reward, cont, value, discount, lambda_):
     """λ-returns (Eq. 7), computed backwards from the bootstrap value.
 

@@ -189,10 +189,10 @@ def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     assert counts["tuned"] < 8, counts
 
 
-def test_summary_says_compile_does_not_pay_on_a_cpu():
+def test_summary_says_what_compile_gains_and_costs_on_a_cpu():
     import dreamer
 
-    for device, want in (("cpu", "no faster than eager"), ("cuda:0", "include compilation")):
+    for device, want in (("cpu", "1.1-1.3x faster per update after a warm-up"), ("cuda:0", "include compilation")):
         config = dreamer.parse(["--configs", "debug", "--compile", "True", "--device", device])
         assert want in dreamer.compile_note(config)
     assert dreamer.compile_note(dreamer.parse(["--configs", "debug"])) == "off"
