@@ -441,11 +441,12 @@ class Dreamer(nn.Module):
             action = self.task_behavior.actor(feat).sample()
         return action.cpu().numpy(), (latent, action)
 
-    def train_step(self, batch):
+    def train_step(self, batch, data=None):
         """One update of every learner on a replayed batch (B, K + T, ...) with K replay_context
         steps; returns tensor metrics. With K > 0 the training posteriors replace the batch's
-        latents of the T trained steps (models.ReplayContext.store), for the write-back."""
-        data = self.wm.preprocess(batch)
+        latents of the T trained steps (models.ReplayContext.store), for the write-back. `data`:
+        the same batch already on the device (tools.Prefetcher), else batch is copied there."""
+        data = self.wm.preprocess(batch if data is None else data)
         latent, data = self.context.split(data)  # the stored start latent; data (B, T, ...)
         post, embed, metrics = self.updater.train_step(data, latent)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
@@ -1382,6 +1383,8 @@ class Trainer:
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
         self.warmed_up = set()  # names of the compiled calls made once already
+        self.feed = tools.Prefetcher(self.replay, config.batch_size, config.batch_length + agent.context.steps,
+                                     config.device)
 
     @property
     def frames(self):
@@ -1458,9 +1461,10 @@ class Trainer:
         if not count or not self.ranks.all(self.replay.ready(length)):
             return
         for i in range(count):
-            batch, ids = self.replay.sample(config.batch_size, length, ids=True)
-            metrics = self.announce_compilation("first update", self.agent.train_step, batch)
-            context.write_back(self.replay, ids, batch)
+            batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
+            on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
+            metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+            context.write_back(self.feed, ids, batch)  # also into the batch sampled ahead
             self.counters.updates += 1
             if phase is not None:
                 phase.update(i + 1)

@@ -339,7 +339,8 @@ class WorldModel(nn.Module):
         for key, value in obs.items():
             if key.startswith("log_"):
                 continue
-            value = torch.as_tensor(np.asarray(value), device=device)
+            # A tensor is already on the device (tools.Prefetcher) or is copied there.
+            value = torch.as_tensor(value if isinstance(value, torch.Tensor) else np.asarray(value), device=device)
             data[key] = value.float() / 255.0 if value.dtype == torch.uint8 else value.float()
         if "is_terminal" in data:
             data["cont"] = 1.0 - data["is_terminal"]
