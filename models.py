@@ -432,17 +432,20 @@ def use_scaler(config):
 #
 # On a CPU `compile auto` compiles when the run is predicted to make enough updates for the time
 # compile saves to repay its warm-up: predicted updates x saved seconds per update > warm-up seconds.
-# Measured with benchmarks/train_speed.py on a shared 2-core CPU, one torch thread, batch 16x64, fp32:
-#   recipe2024 size1m, dmc_cartpole_balance: eager 1.42-1.49 s/update, --compile True 1.06-1.16 s
-#     (0.33 s saved; ~2.9e10 FLOPs per update by update_flops);
-#   v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s (1.03 s saved; ~5.0e11 FLOPs),
-#     for 80 s more warm-up.
-# The saved time per estimated FLOP is the smaller of the two (1.03 / 5.0e11 = 2.1e-12 s; size1m's is
-# 1.1e-11), and the warm-up the larger, so that the rule errs towards eager, which never costs a
-# warm-up. Not measured: more threads, vision models (update_flops counts conv layers once per
-# weight, an underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
+# Measured with benchmarks/train_speed.py on a shared 2-core CPU (AVX2), one torch thread, batch
+# 16x64, float32:
+#   recipe2024 size1m, dmc_cartpole_balance (issue 23): eager 1.42-1.49 s/update, --compile True
+#     1.06-1.16 s (0.33 s saved; ~2.9e10 FLOPs per update by update_flops);
+#   the same with --compare (torch 2.13, load average ~6): eager 1.69 s, compiled 1.07 s, warm-up of
+#     the first 2 updates 4.7 s eager, 377 s compiled;
+#   v1 default size, dmc_proprio walker (issue 23): eager 11.61 s, compiled 10.58 s (1.03 s saved;
+#     ~5.0e11 FLOPs), for 80 s more warm-up.
+# The saved time per estimated FLOP is the smaller (1.03 / 5.0e11 = 2.1e-12 s; size1m's is 1.1e-11)
+# and the warm-up the larger (~370 s), so that the rule errs towards eager, which costs no warm-up.
+# Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
+# underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
 COMPILE_SAVED_S_PER_FLOP = 2.1e-12
-COMPILE_WARMUP_S = 80.0
+COMPILE_WARMUP_S = 370.0
 
 
 def parameter_counts(obs_space, act_space, config):

@@ -406,7 +406,7 @@ def test_compile_auto_compiles_on_cuda_and_not_for_a_short_cpu_run_and_explicit_
     agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")  # the debug preset: 600 frames
     assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
     note = dreamer.compile_note(config, agent.auto_notes["compile"])
-    assert note.startswith("off (auto: on a CPU: ") and "less than the ~80 s warm-up" in note, note
+    assert note.startswith("off (auto: on a CPU: ") and "less than the ~370 s warm-up" in note, note
     assert dreamer.compile_note(config, True).startswith("off (auto: on a CPU the run is too short")
     cuda = make_config("--compile", "auto", "--device", "cuda:0")
     assert "compile" in dreamer.resolve_auto(cuda, spaces[1]) and cuda.compile is True
