@@ -1155,7 +1155,7 @@ def compile_note(config, auto=False):
             return "off (auto: on a CPU the run is too short to repay the warm-up; --compile True compiles)"
         return "off"
     if cpu:
-        return ("on (on a CPU measured 1.1-1.3x faster per update after a warm-up of a minute or more; "
+        return ("on (on a CPU measured 1.1-1.3x faster per update after a warm-up of one to several minutes; "
                 "--compile False turns it off)")
     return "on (the first updates include compilation)"
 
@@ -1383,12 +1383,17 @@ class Trainer:
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
         self.warmed_up = set()  # names of the compiled calls made once already
-        self.feed = tools.Prefetcher(self.replay, config.batch_size, config.batch_length + agent.context.steps,
-                                     config.device)
 
     @property
     def frames(self):
         return self.counters.policy_steps * self.config.action_repeat
+
+    @functools.cached_property
+    def feed(self):
+        """The learner's replay batches (tools.Prefetcher), made at the first update."""
+        config = self.config
+        return tools.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
+                                config.device)
 
     # -- the components' entry points, for the loops, `main` and tests ------------------------------
 
