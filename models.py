@@ -41,16 +41,43 @@ def profiled(name):
     return torch.profiler.record_function(name)
 
 
-def autocast(config):
-    """bfloat16 autocast on CPU, float16 on CUDA, when precision is 16."""
+PRECISIONS = (16, 32, "bf16")  # config.precision
+
+
+def compute_dtype(config):
+    """The dtype the update computes in under `precision`: None for 32 (no autocast); bfloat16 for
+    bf16 on any device (the official code's compute type); float16 for 16 on CUDA, bfloat16 for 16
+    on a CPU (float16 matmuls are slow there, and bfloat16 needs no scaler)."""
     if config.precision == 32:
+        return None
+    cuda = torch.device(config.device).type == "cuda"
+    return torch.float16 if config.precision == 16 and cuda else torch.bfloat16
+
+
+def autocast(config):
+    """Autocast to compute_dtype(config); a no-op for precision 32. Parameters, optimizer moments,
+    normalisation statistics (networks.LayerNorm, RMSNorm, ReturnNorm) and distribution parameters
+    (the tools distributions) stay float32."""
+    dtype = compute_dtype(config)
+    if dtype is None:
         return contextlib.nullcontext()
-    device = torch.device(config.device).type
-    return torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16)
+    return torch.autocast(torch.device(config.device).type, dtype=dtype)
 
 
 def use_scaler(config):
+    """A gradient scaler only for float16 (precision 16 on CUDA): bfloat16 has float32's range."""
     return config.precision == 16 and torch.device(config.device).type == "cuda"
+
+
+def precision_note(config):
+    """The start-up summary's line on what runs under `precision`."""
+    dtype = compute_dtype(config)
+    if dtype is None:
+        return f"{config.precision} (float32)"
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    where = " on a CPU" if config.precision == 16 and torch.device(config.device).type != "cuda" else ""
+    scaler = "gradient scaler" if use_scaler(config) else "no scaler"
+    return f"{config.precision} ({name} autocast{where}, {scaler}; parameters float32)"
 
 
 VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
@@ -113,7 +140,8 @@ class WorldModel(nn.Module):
         for key, value in obs.items():
             if key.startswith("log_"):
                 continue
-            value = torch.as_tensor(np.asarray(value), device=device)
+            # A tensor is already on the device (tools.Prefetcher) or is copied there.
+            value = torch.as_tensor(value if isinstance(value, torch.Tensor) else np.asarray(value), device=device)
             data[key] = value.float() / 255.0 if value.dtype == torch.uint8 else value.float()
         if "is_terminal" in data:
             data["cont"] = 1.0 - data["is_terminal"]
@@ -737,7 +765,7 @@ class Optimizer:
 
 # The choices this module owns, checked once when the config is parsed (tools.parse).
 CHOICES = {
-    "precision": (16, 32),
+    "precision": PRECISIONS,
     "opt": tuple(OPTIMIZERS),
     "update": tuple(UPDATES),
     "compile": ("auto", True, False),
@@ -747,22 +775,78 @@ CHOICES = {
 }
 
 
-def resolve_auto(config, act_space):
+# -- compile auto: whether compiling pays for the run at hand ----------------------------------------
+#
+# On a CPU `compile auto` compiles when the run is predicted to make enough updates for the time
+# compile saves to repay its warm-up: predicted updates x saved seconds per update > warm-up seconds.
+# Measured with benchmarks/train_speed.py on a shared 2-core CPU (AVX2), one torch thread, batch
+# 16x64, float32:
+#   recipe2024 size1m, dmc_cartpole_balance: eager 1.42-1.49 s/update, --compile True 1.06-1.16 s
+#     (0.33 s saved; ~2.9e10 FLOPs per update by update_flops); with --compare (torch 2.13): eager
+#     1.69 s, compiled 1.07 s, warm-up of the first 2 updates 4.7 s eager and 377 s compiled;
+#   v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s (1.03 s saved; ~5.0e11
+#     FLOPs), for 80 s more warm-up.
+# The saved time per estimated FLOP is the smaller (1.03 / 5.0e11 = 2.1e-12 s; size1m's is 1.1e-11)
+# and the warm-up the larger (~370 s), so that the rule errs towards eager, which costs no warm-up.
+# Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
+# underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
+COMPILE_SAVED_S_PER_FLOP = 2.1e-12
+COMPILE_WARMUP_S = 370.0
+
+
+def parameter_counts(obs_space, act_space, config):
+    """The parameters of the world model, its RSSM and the task actor and critic that `config`
+    builds, counted on the meta device (no memory, no random numbers drawn)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        wm = WorldModel(obs_space, act_space, config)
+        behavior = ActorCritic(config, wm, act_space, reward_fn=None)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return {"world_model": count(wm), "rssm": count(wm.rssm), "actor": count(behavior.actor),
+            "critic": count(behavior.critic)}
+
+
+def update_flops(config, counts):
+    """Estimated floating-point operations of one update from the parameter counts: 2 per weight
+    and token forward, 4 backward. The world model runs forward and backward on the B x T replayed
+    steps; imagination starts from each of them and runs H + 1 steps of the RSSM (forward), the
+    actor (forward and backward), the critic (forward and backward) and the slow critic (forward)."""
+    tokens = config.batch_size * config.batch_length
+    imagined = tokens * (config.imag_horizon + 1)
+    return (6 * counts["world_model"] * tokens
+            + imagined * (2 * counts["rssm"] + 6 * counts["actor"] + 8 * counts["critic"]))
+
+
+def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, warmup_s=COMPILE_WARMUP_S):
+    """What `compile auto` settles to, and why: (decision, reason). On CUDA always (fused kernels,
+    fewer launches); on a CPU by the rule above, for the parameter counts `counts` (None: the model
+    is not known, eager)."""
+    if torch.device(config.device).type == "cuda":
+        return True, "on CUDA compiled kernels are fused, with fewer launches per update"
+    if counts is None:
+        return False, "on a CPU without the model to estimate its gain"
+    updates = tools.total_updates(config)
+    saved = saved_s_per_flop * update_flops(config, counts)
+    decision = updates * saved > warmup_s
+    verdict = "more" if decision else "less"
+    return decision, (f"on a CPU: {updates:,} updates x ~{saved:.3g} s saved each = {updates * saved:,.0f} s, "
+                      f"{verdict} than the ~{warmup_s:.0f} s warm-up")
+
+
+def resolve_auto(config, act_space, obs_space=None):
     """Settle the 'auto' keys this module owns: the actor's distribution and gradient from the
     action space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot +
-    reinforce, continuous -> normal + dynamics) and compile from the device (on a CPU it measured no
-    faster than eager but adds a warm-up). Explicit values stay; an actor distribution that
-    contradicts the action space is a ConfigError. Returns the settled config (a new one) and the
-    keys that were 'auto', for the start-up summary. A settled config settles to itself."""
+    reinforce, continuous -> normal + dynamics) and compile by compile_choice (for the model that
+    `obs_space` gives). Explicit values stay; an actor distribution that contradicts the action
+    space is a ConfigError. Returns the settled config (a new one) and {key that was 'auto': why it
+    settled so ('' when the reason is the key's own rule)}, for the start-up summary. A settled
+    config settles to itself."""
     discrete = bool(getattr(act_space, "discrete", False))
     dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
-    changes = {}
+    changes, resolved = {}, {}
     if config.actor.dist == "auto":
-        changes["actor.dist"] = dist
+        changes["actor.dist"], resolved["actor.dist"] = dist, "from the action space"
     if config.imag_gradient == "auto":
-        changes["imag_gradient"] = gradient
-    if config.compile == "auto":
-        changes["compile"] = torch.device(config.device).type == "cuda"
+        changes["imag_gradient"], resolved["imag_gradient"] = gradient, "from the action space"
     chosen = changes.get("actor.dist", config.actor.dist)
     if chosen != dist:
         kind = "discrete" if discrete else "continuous"
@@ -776,4 +860,8 @@ def resolve_auto(config, act_space):
         if not valid:
             raise tools.ConfigError(f"Invalid value '{config.actor.std}' for --actor.std: the normal actor takes "
                                     "'learned' or a fixed standard deviation > 0 ('none' is for onehot actors)")
-    return (config.replace(changes) if changes else config), list(changes)
+    if config.compile == "auto":
+        provisional = config.replace(changes) if changes else config
+        counts = parameter_counts(obs_space, act_space, provisional) if obs_space is not None else None
+        changes["compile"], resolved["compile"] = compile_choice(provisional, counts)
+    return (config.replace(changes) if changes else config), resolved

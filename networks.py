@@ -116,12 +116,23 @@ class RMSNorm(nn.Module):
         return (x * self.weight).to(dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose mean and variance are computed in float32 also under autocast (as the
+    official code normalises), the output cast back to the input's dtype."""
+
+    def forward(self, x):
+        dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            x = nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.to(dtype)
+
+
 def make_norm(norm, size):
     """The normalisation layer of `norm` over the last dim, or None. LayerNorm keeps the paper's
     eps 1e-3 and RMSNorm the 2024 recipe's 1e-4."""
     kind = norm_kind(norm)
     if kind == "layer":
-        return nn.LayerNorm(size, eps=1e-3)
+        return LayerNorm(size, eps=1e-3)
     if kind == "rms":
         return RMSNorm(size)
     return None
@@ -229,7 +240,7 @@ class Actor(nn.Module):
         return self.dist(self.raw(feat))
 
 
-class ChannelNorm(nn.LayerNorm):
+class ChannelNorm(LayerNorm):
     """LayerNorm over the channels of an NCHW tensor."""
 
     def forward(self, x):
@@ -578,6 +589,7 @@ class RSSM(nn.Module):
     # -- state helpers -----------------------------------------------------------------------------
 
     def _stats(self, x):
+        x = x.float()  # distribution parameters in float32 also under autocast, as in the official code
         if self.discrete:
             logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
             return {"logit": tools.unimix_logits(logit, self.unimix)}

@@ -63,6 +63,7 @@ class TwoHot:
     """
 
     def __init__(self, logits, low=-20.0, high=20.0, squash=True):
+        logits = logits.float()  # distribution parameters in float32 also under autocast (official code)
         self.logits = logits  # (..., bins)
         self.log_probs = torch.log_softmax(logits, -1)
         self.squash = squash
@@ -120,7 +121,7 @@ class SymlogMSE:
     """Regression in symlog space: the network predicts symlog(x)."""
 
     def __init__(self, pred, dims=1):
-        self.pred = pred
+        self.pred = pred.float()
         self.dims = tuple(range(-dims, 0))
 
     def mode(self):
@@ -137,7 +138,7 @@ class MSE:
     """Plain squared error, summed over the event dims (used for images in [0, 1])."""
 
     def __init__(self, pred, dims=1):
-        self.pred = pred
+        self.pred = pred.float()
         self.dims = tuple(range(-dims, 0))
 
     def mode(self):
@@ -154,7 +155,7 @@ class Bernoulli:
     """Continue flag: one logit per step, event shape (1,)."""
 
     def __init__(self, logits):
-        self.logits = logits  # (..., 1)
+        self.logits = logits.float()  # (..., 1)
 
     def mode(self):
         return (self.logits > 0).float()
@@ -179,7 +180,7 @@ class OneHot:
     """Categorical over the last dim with one-hot samples and straight-through gradients."""
 
     def __init__(self, logits, unimix=0.0):
-        self.logits = unimix_logits(logits, unimix)  # (..., classes)
+        self.logits = unimix_logits(logits.float(), unimix)  # (..., classes)
         self.log_probs = torch.log_softmax(self.logits, -1)
         self.probs = self.log_probs.exp()
 
@@ -211,6 +212,7 @@ class Normal:
     """
 
     def __init__(self, mean, std, absmax=None):
+        mean, std = mean.float(), std.float()
         self.dist = torch.distributions.Normal(mean, std)
         self.mean_ = mean
         self.absmax = absmax
@@ -607,11 +609,12 @@ class Replay:
         with self.lock:
             return any(len(s) >= length for s in self.streams)
 
-    def sample(self, batch, length, ids=False):
+    def sample(self, batch, length, ids=False, alloc=np.empty):
         """A batch of sequences: dict of arrays (batch, length, ...); with `ids` also the id of each
-        sequence's first step, (batch, 2) int64 of (stream, index), for `update`."""
+        sequence's first step, (batch, 2) int64 of (stream, index), for `update`. `alloc(shape,
+        dtype)` makes each array the batch is copied into (Prefetcher: pinned memory)."""
         with self.lock:
-            data, first = self._sample(batch, length)
+            data, first = self._sample(batch, length, alloc)
         return (data, first) if ids else data
 
     def update(self, ids, values):
@@ -621,7 +624,7 @@ class Replay:
             for row, (stream, first) in enumerate(np.asarray(ids)):
                 self.streams[stream].write(int(first), {k: v[row] for k, v in values.items()})
 
-    def _sample(self, batch, length):
+    def _sample(self, batch, length, alloc=np.empty):
         starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
         if starts.sum() == 0:
             raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
@@ -636,7 +639,7 @@ class Replay:
             first[rows, 1] = stream.first() + start
             for key, array in stream.data.items():
                 if key not in out:
-                    out[key] = np.empty((batch, length, *array.shape[1:]), array.dtype)
+                    out[key] = alloc((batch, length, *array.shape[1:]), array.dtype)
                 out[key][rows] = array[phys]
         return out, first
 
@@ -670,6 +673,107 @@ def cost_lines(config, spec, free=None):
         lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of memory is free; the run "
                      "will run out of memory as the replay fills: lower --dataset_size")
     return lines
+
+
+class Prefetcher:
+    """The learner's replay batches, without a stall on the device: on CUDA each batch is sampled
+    into pinned host memory and copied with non_blocking=True, and while an update runs the next
+    batch of the same run of updates is sampled on a background thread (`ahead`; on a CPU the
+    thread would compete with the update for the cores, so there it samples on demand).
+
+    The batches and their order are those of plain Replay.sample calls with the same random
+    stream: a batch sampled ahead is taken before anything else samples, and the write-back of the
+    update before it (models.ReplayContext.write_back, which calls `update` here) is applied to it
+    too, as if it had been sampled after. Only within one run of updates (`next(more=True)`): the
+    steps the environments add between runs reach the next batch as without prefetching.
+    """
+
+    def __init__(self, replay, batch, length, device="cpu", ahead=None):
+        self.replay, self.batch, self.length = replay, batch, length
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ahead = self.cuda if ahead is None else ahead
+        self.pending = None  # (thread, result dict) of the batch being sampled ahead
+
+    def host_array(self, shape, dtype):
+        """Where a batch is sampled into: pinned memory on CUDA (an asynchronous copy needs it),
+        plain numpy otherwise."""
+        if not self.cuda:
+            return np.empty(shape, dtype)
+        like = torch.from_numpy(np.empty(0, dtype)).dtype
+        return torch.empty(shape, dtype=like, pin_memory=True).numpy()  # the array keeps the tensor alive
+
+    def sample(self):
+        return self.replay.sample(self.batch, self.length, ids=True, alloc=self.host_array)
+
+    def next(self, more=False):
+        """The next batch: (batch, ids, data): batch a dict of host arrays (B, L, ...), ids (B, 2)
+        as Replay.sample gives them, data the batch as tensors on the device (on CUDA, copied
+        asynchronously) or None (on a CPU: preprocess converts the host arrays). `more`: another
+        batch follows in this run of updates; it is sampled ahead while this one trains."""
+        batch, ids = self._take() if self.pending is not None else self.sample()
+        data = self.to_device(batch) if self.cuda else None
+        if more and self.ahead:
+            result = {}
+
+            def work():
+                try:
+                    result["value"] = self.sample()
+                except BaseException as e:  # noqa: BLE001 - raised in the learner's thread by _take
+                    result["error"] = e
+
+            thread = threading.Thread(target=work, name="prefetch", daemon=True)
+            thread.start()
+            self.pending = (thread, result)
+        return batch, ids, data
+
+    def _take(self):
+        thread, result = self.pending
+        thread.join()
+        self.pending = None
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    def to_device(self, batch):
+        """dict of host arrays -> dict of tensors on the device, copied without waiting. The copy
+        is made from the pinned tensor behind each array (host_array), so that the caching host
+        allocator keeps its memory until the copy is done."""
+        return {k: host_tensor(v).to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def update(self, ids, values):
+        """Replay.update, also applied to a batch sampled ahead of it (see the class)."""
+        if self.pending is not None:
+            thread, result = self.pending
+            thread.join()
+            if "value" in result:
+                batch, pending_ids = result["value"]
+                overlay(batch, pending_ids, self.length, ids, values)
+        self.replay.update(ids, values)
+
+
+def host_tensor(array):
+    """The tensor a numpy array was made from by Tensor.numpy() (a pinned buffer), else a tensor
+    sharing the array's memory."""
+    base = array.base
+    if isinstance(base, torch.Tensor) and base.data_ptr() == array.ctypes.data and base.shape == array.shape:
+        return base
+    return torch.from_numpy(array)
+
+
+def overlay(batch, ids, length, written_ids, values):
+    """Write `values` (dict of (B', L', ...) arrays, row q for the L' steps from written_ids[q], as
+    Replay.update takes them) into `batch` (dict of (B, length, ...) arrays sampled from ids (B, 2))
+    wherever the same steps of the same stream are in both; later rows win, as in Replay.update."""
+    ids, written_ids = np.asarray(ids), np.asarray(written_ids)
+    span = len(next(iter(values.values()))[0])
+    for q, (stream, first) in enumerate(written_ids):
+        for r in np.nonzero(ids[:, 0] == stream)[0]:
+            start = ids[r, 1]
+            low, high = max(start, first), min(start + length, first + span)
+            if low < high:
+                for key, value in values.items():
+                    batch[key][r, low - start:high - start] = np.asarray(value)[q, low - first:high - first]
 
 
 # ==================================================================================================

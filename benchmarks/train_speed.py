@@ -6,9 +6,20 @@ environment with random actions, then times `--updates` updates after `--warmup`
     python3 benchmarks/train_speed.py --configs dmc_proprio --task dmc_walker_walk --device cpu --updates 10
 
 Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup,
---threads, --profile (phase split and top operators) and --no_malloc_tuning (leave glibc's
-allocator as it is, to measure what tools.keep_freed_memory buys). The last line printed is
-`updates_per_s=<number>`.
+--threads, --profile (phase split, top operators and operator calls per update) and
+--no_malloc_tuning (leave glibc's allocator as it is, to measure what tools.keep_freed_memory
+buys). The last line printed is `updates_per_s=<number>`.
+
+--compare times several settings side by side in one process, interleaved over --rounds rounds
+of --updates updates each (so that a shared machine's load affects all alike): every --compile
+value of --compile_modes (False: eager, True: per-step compile) at every --precision of
+--precisions. It prints one table row per setting: warm-up seconds (the first --warmup updates,
+compilation included), seconds per update (median over the rounds), speed relative to the first
+setting, and operator calls in one profiled update: aten operators (leaf calls, those that call no
+other aten operator: about one kernel launch each on a GPU) and compiled (fused) kernels.
+
+    python3 benchmarks/train_speed.py --configs dmc_proprio recipe2024 size1m --task dmc_cartpole_balance \
+        --device cpu --batch_size 16 --batch_length 64 --threads 1 --compare --updates 3 --rounds 3
 """
 
 import argparse
@@ -72,7 +83,81 @@ def top_operators(profiler, count=6):
     return "  ".join(f"{e.key[6:]} {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:count])
 
 
+def usage():
+    return __doc__.strip() + "\n\nConfig keys and presets: python3 dreamer.py --help"
+
+
+def leaf_operator_calls(profiler):
+    """(aten operator calls that call no other aten operator, compiled kernel calls) in the
+    profiled events. The compiled kernels are visible only with inductor's kernel profiling on
+    (set by --compare before anything compiles)."""
+    aten = kernels = 0
+    for event in profiler.events():
+        if event.name.startswith("aten::"):
+            aten += not any(child.name.startswith("aten::") for child in event.cpu_children)
+        elif "cpp_fused" in event.name or "triton_" in event.name:
+            kernels += 1
+    return aten, kernels
+
+
+def compare(args, config, env, replay, length):
+    """Every setting of --compile_modes x --precisions on one replay, interleaved; one table."""
+    import statistics
+
+    torch._inductor.config.cpp.enable_kernel_profile = True  # fused kernels show up in the profile
+    sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
+    settings = [(dreamer.parse(["--compile", mode]).compile, dreamer.parse(["--precision", precision]).precision)
+                for mode in args.compile_modes.split(",") for precision in args.precisions.split(",")]
+    agents, warmups = {}, {}
+    for setting in settings:
+        compile_, precision = setting
+        torch.manual_seed(config.seed)
+        agent_config = config.replace(compile=compile_, precision=precision)
+        agents[setting] = dreamer.Dreamer(env.obs_space, env.act_space, agent_config).to(config.device)
+        start = time.perf_counter()
+        for _ in range(args.warmup):
+            agents[setting].train_step(replay.sample(config.batch_size, length))
+        sync()
+        warmups[setting] = time.perf_counter() - start
+        print(f"compile {compile_} precision {precision}: warm-up {warmups[setting]:.1f} s", file=sys.stderr,
+              flush=True)
+    times = {setting: [] for setting in settings}
+    for _ in range(args.rounds):
+        batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
+        for setting in settings:
+            start = time.perf_counter()
+            for batch in batches:
+                metrics = agents[setting].train_step(batch)
+            float(metrics["model_loss"])
+            sync()
+            times[setting].append((time.perf_counter() - start) / args.updates)
+        print("round: " + "  ".join(f"{t[-1]:.3f}" for t in times.values()) + " s/update", file=sys.stderr, flush=True)
+    calls = {}
+    for setting in settings:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            agents[setting].train_step(replay.sample(config.batch_size, length))
+            sync()
+        calls[setting] = leaf_operator_calls(profiler)
+    print(f"task {config.task}  device {config.device}  threads {torch.get_num_threads()}  "
+          f"batch {config.batch_size}x{config.batch_length}  torch {torch.__version__}  "
+          f"{args.rounds} rounds x {args.updates} updates after {args.warmup} warm-up updates")
+    print("| compile | precision | warm-up s | s/update (median; range) | speed vs first | aten ops/update "
+          "| compiled kernels/update |")
+    print("|---|---|---|---|---|---|---|")
+    first = statistics.median(times[settings[0]])
+    for setting in settings:
+        median = statistics.median(times[setting])
+        print(f"| {setting[0]} | {setting[1]} | {warmups[setting]:.1f} | {median:.3f} "
+              f"({min(times[setting]):.3f}-{max(times[setting]):.3f}) | {first / median:.2f}x "
+              f"| {calls[setting][0]:,} | {calls[setting][1]:,} |")
+    print(f"updates_per_s={1 / statistics.median(times[settings[-1]]):.4f}")
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -80,9 +165,17 @@ def main(argv=None):
     parser.add_argument("--no_malloc_tuning", action="store_true",
                         help="leave glibc's allocator as it is (dreamer.py tunes it), to measure what the tuning buys")
     parser.add_argument("--profile", action="store_true", help="split the time into phases (adds overhead)")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    parser.add_argument("--compare", action="store_true", help="time --compile_modes x --precisions side by side")
+    parser.add_argument("--compile_modes", default="False,True")
+    parser.add_argument("--precisions", default="32,bf16")
+    parser.add_argument("--rounds", type=int, default=3)
+    args, rest = parser.parse_known_args(argv)
     try:
         config, _ = tools.resolve_device(dreamer.parse(rest))
+        for precision in args.precisions.split(",") if args.compare else ():
+            dreamer.parse([*rest, "--precision", precision])
+        for mode in args.compile_modes.split(",") if args.compare else ():
+            dreamer.parse([*rest, "--compile", mode])
     except tools.ConfigError as e:
         dreamer.fail(str(e))
     if args.threads:
@@ -93,6 +186,10 @@ def main(argv=None):
         tools.keep_freed_memory()
     env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
     length = config.batch_length + config.replay_context  # the context steps only give the start latent
+    if args.compare:
+        compare(args, config, env, replay, length)
+        env.close()
+        return
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)
     start = time.perf_counter()
     batch = replay.sample(config.batch_size, length)
@@ -121,9 +218,13 @@ def main(argv=None):
             for batch in batches[:3]:
                 agent.train_step(batch)
             sync()
-        split = phase_times(profiler, min(3, len(batches)))
+        profiled = min(3, len(batches))
+        split = phase_times(profiler, profiled)
         print("phase split (s/update, profiled): " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
         print("top operators (share of self time): " + top_operators(profiler))
+        aten, kernels = leaf_operator_calls(profiler)
+        print(f"operator calls per update: {aten / profiled:.0f} aten (leaf), "
+              f"{kernels / profiled:.0f} compiled kernels")
     print(f"updates_per_s={1 / seconds:.4f}")
     env.close()
 

@@ -26,6 +26,32 @@ def test_train_speed_reports_phases_operators_memory_and_updates_per_second():
     assert len(re.findall(r"\w+ \d+%", top)) == 6
 
 
+def test_train_speed_help_prints_usage():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not out.stderr
+    assert out.stdout.startswith("Learner throughput") and "--compare" in out.stdout and "--updates" in out.stdout
+
+
+def test_train_speed_compare_prints_one_row_per_setting_with_operator_calls():
+    """Eager only, to stay short: float32 and bf16 side by side at debug size."""
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--configs", "debug",
+                          "--compare", "--compile_modes", "False", "--precisions", "32,bf16", "--updates", "1",
+                          "--rounds", "2", "--warmup", "1", "--threads", "1", "--batch_size", "4"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.stdout.splitlines()
+            if line.startswith("| False")]
+    assert [row[:2] for row in rows] == [["False", "32"], ["False", "bf16"]]
+    for row in rows:
+        assert float(row[2]) > 0 and re.fullmatch(r"\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)", row[3])
+        assert int(row[5].replace(",", "")) > 100 and row[6] == "0"  # eager: aten operators, no compiled kernels
+    assert rows[0][4] == "1.00x"
+    assert re.fullmatch(r"updates_per_s=\d+\.\d+", out.stdout.strip().splitlines()[-1])
+    assert out.stderr.count("round: ") == 2
+
+
 def test_train_speed_rejects_a_bad_key_with_one_line():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--configs", "debug",
                           "--bach_size", "4"], capture_output=True, text=True, timeout=120)

@@ -403,13 +403,14 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
         make_agent((obs_space, act_space), "--actor.dist", wrong)
 
 
-def test_compile_auto_compiles_on_cuda_only_and_explicit_values_stay(spaces):
-    agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")
+def test_compile_auto_compiles_on_cuda_and_not_for_a_short_cpu_run_and_explicit_values_stay(spaces):
+    agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")  # the debug preset: 600 frames
     assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
-    assert dreamer.compile_note(config, True).startswith("off (auto: on a CPU compile measured no faster")
-    cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1])
+    note = dreamer.compile_note(config, agent.resolved["compile"])
+    assert note.startswith("off (auto: on a CPU: ") and "less than the ~370 s warm-up" in note, note
+    cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1], spaces[0])
     assert "compile" in resolved and cuda.compile is True
-    explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1])
+    explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1], spaces[0])
     assert "compile" not in resolved and explicit.compile is True
     assert make_config("--compile", "false").compile is False
     assert dreamer.parse(["--device", "cpu"]).compile == "auto"  # the default

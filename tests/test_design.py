@@ -196,7 +196,7 @@ def test_auto_keys_are_settled_once_into_a_new_config():
     assert (settled.actor.dist, settled.imag_gradient, settled.compile) == ("normal", "dynamics", False)
     assert config.actor.dist == "auto"  # parse's config stays as it was
     again, resolved = models.resolve_auto(settled, env.act_space)
-    assert again is settled and resolved == []  # a settled config settles to itself
+    assert again is settled and resolved == {}  # a settled config settles to itself
     agent = dreamer.Dreamer(env.obs_space, env.act_space, settled)
     assert agent.config is settled
 

@@ -69,8 +69,8 @@ def test_channel_rmsnorm_normalises_over_channels():
     np.testing.assert_allclose(to_np(norm(x)), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("norm, norm_type, bias", [("layer", nn.LayerNorm, False), ("rms", networks.RMSNorm, True),
-                                                   ("none", None, True)])
+@pytest.mark.parametrize("norm, norm_type, bias", [("layer", networks.LayerNorm, False),
+                                                   ("rms", networks.RMSNorm, True), ("none", None, True)])
 def test_norm_key_chooses_the_norm_of_every_hidden_layer(norm, norm_type, bias):
     config = make_config("--norm", norm, "--encoder.norm", norm, "--decoder.norm", norm)
     agent = dreamer.Dreamer(*spaces(), config)

@@ -252,8 +252,8 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
     samples, updates, batches = [], [], []
     sample, update, train_step = tools.Replay.sample, tools.Replay.update, dreamer.Dreamer.train_step
 
-    def recording_sample(self, batch, length, ids=False):
-        out = sample(self, batch, length, ids)
+    def recording_sample(self, batch, length, ids=False, **kwargs):
+        out = sample(self, batch, length, ids, **kwargs)
         if ids:
             samples.append((length, out[1].copy()))
         return out
@@ -263,8 +263,8 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
             updates.append((np.array(ids), {k: np.array(v) for k, v in values.items()}))
         return update(self, ids, values)
 
-    def recording_train_step(self, batch):
-        metrics = train_step(self, batch)
+    def recording_train_step(self, batch, *args):
+        metrics = train_step(self, batch, *args)
         batches.append({k: np.array(batch[k]) for k in ("latent_deter", "latent_stoch")})
         return metrics
 

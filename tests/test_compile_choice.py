@@ -1,0 +1,97 @@
+"""compile auto: the rule models.compile_choice against a hand computation, and what it settles
+to for the presets (nothing is timed here)."""
+
+import copy
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import dreamer  # noqa: E402
+import envs  # noqa: E402
+import models  # noqa: E402
+import tools  # noqa: E402
+
+PRESETS = tools.load_presets()
+COUNTS = {"world_model": 1000, "rssm": 500, "actor": 100, "critic": 200}  # stand-in parameter counts
+
+
+def make_config(*flags, configs=("debug",)):
+    return dreamer.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+
+
+def test_update_flops_and_predicted_updates_by_hand():
+    config = make_config("--batch_size", "4", "--batch_length", "10", "--imag_horizon", "5", "--steps", "10000",
+                         "--prefill", "2000", "--action_repeat", "2", "--train_ratio", "64", "--pretrain", "3")
+    tokens = 4 * 10
+    # world model forward + backward on each replayed step; per imagined step (H + 1 = 6 per start):
+    # RSSM forward, actor forward + backward, critic forward + backward and slow critic forward.
+    want = 6 * 1000 * tokens + tokens * 6 * (2 * 500 + 6 * 100 + 8 * 200)
+    assert models.update_flops(config, COUNTS) == want
+    # (10000 - 2000) frames / 2 = 4000 policy steps, x 64 / 40 replayed per update = 6400, + 3 pretrain.
+    assert models.predicted_updates(config) == 6403
+
+
+@pytest.mark.parametrize("warmup_s, decision", [(100.0, True), (500.0, False)])
+def test_compile_choice_compiles_when_the_saved_time_repays_the_warm_up(warmup_s, decision):
+    config = make_config("--batch_size", "4", "--batch_length", "10", "--imag_horizon", "5", "--steps", "10000",
+                         "--prefill", "2000", "--action_repeat", "2", "--train_ratio", "64", "--pretrain", "3")
+    flops = 6 * 1000 * 40 + 40 * 6 * (2 * 500 + 6 * 100 + 8 * 200)  # 1,008,000
+    saved = 5e-8 * flops  # 0.0504 s per update; x 6403 updates = 322.7 s
+    got, reason = models.compile_choice(config, COUNTS, saved_s_per_flop=5e-8, warmup_s=warmup_s)
+    assert got is decision and (6403 * saved > warmup_s) is decision
+    assert reason == (f"on a CPU: 6,403 updates x ~0.0504 s saved each = 323 s, "
+                      f"{'more' if decision else 'less'} than the ~{warmup_s:.0f} s warm-up")
+
+
+def test_compile_choice_always_compiles_on_cuda():
+    config = make_config("--device", "cuda:0", "--steps", "0")
+    assert models.compile_choice(config, COUNTS)[0] is True
+
+
+def test_the_rule_states_its_measurements():
+    """The constants are those of the measurements written where the rule lives."""
+    source = pathlib.Path(models.__file__).read_text()
+    assert "v1 default size, dmc_proprio walker (issue 23): eager 11.61 s, compiled 10.58 s" in source
+    assert "warm-up of\n#     the first 2 updates 4.7 s eager, 377 s compiled" in source
+    assert models.COMPILE_WARMUP_S == pytest.approx(377 - 4.7, abs=5)
+    assert models.COMPILE_SAVED_S_PER_FLOP == pytest.approx((11.61 - 10.58) / 5.0e11, rel=0.03)
+
+
+@pytest.fixture(scope="module")
+def spaces():
+    env = envs.make_env(make_config(), "train", 0)
+    try:
+        return env.obs_space, env.act_space
+    finally:
+        env.close()
+
+
+def test_parameter_counts_match_the_built_model_and_draw_no_random_numbers(spaces):
+    config, _ = models.resolve_auto(make_config(), spaces[1])
+    state = torch.get_rng_state()
+    counts = models.parameter_counts(*spaces, config)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(*spaces, config)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert counts == {"world_model": count(agent.wm), "rssm": count(agent.wm.rssm),
+                      "actor": count(agent.task_behavior.actor), "critic": count(agent.task_behavior.critic)}
+
+
+def test_compile_auto_stays_eager_for_the_debug_preset_and_compiles_a_long_cpu_run(spaces):
+    short, notes = models.resolve_auto(make_config("--compile", "auto"), spaces[1], spaces[0])
+    assert "compile" in notes and short.compile is False
+    assert dreamer.compile_note(short, notes["compile"]).startswith("off (auto: on a CPU: ")
+    # The debug model at the measured batch for a million frames: ~10^5 updates of ~1e9 FLOPs each.
+    long = make_config("--compile", "auto", "--steps", "1000000", "--train_ratio", "512", "--batch_size", "16",
+                       "--batch_length", "64")
+    long, notes = models.resolve_auto(long, spaces[1], spaces[0])
+    assert long.compile is True and "more than the ~370 s warm-up" in notes["compile"]
+    assert dreamer.compile_note(long, notes["compile"]).endswith("; --compile False turns it off)")
+    # Without the observation space the model is unknown: eager on a CPU.
+    unknown, notes = models.resolve_auto(make_config("--compile", "auto", "--steps", "1000000"), spaces[1])
+    assert "compile" in notes and unknown.compile is False
