@@ -73,7 +73,7 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
                          env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.strip().splitlines()]
-    assert len(commands) == 10
+    assert len(commands) == 14  # tests, a training run, 2 presets x 2 compile x 3 precisions
     speed_source = (ROOT / "benchmarks" / "train_speed.py").read_text()
     kinds = set()
     for words in commands:
@@ -94,8 +94,29 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
             assert words[1] == "dreamer.py"
             kinds.add("train")
         config = dreamer.parse(args)
-        assert config.device == "cuda" and config.compile in (True, False) and config.precision in (16, 32)
+        assert config.device == "cuda" and config.compile in (True, False) and config.precision in (16, 32, "bf16")
     assert kinds == {"tests", "train", "speed"}
+
+
+def test_gpu_learning_check_trains_at_the_reference_setting_and_plots_against_it():
+    import shlex
+
+    import dreamer
+    import tools
+
+    script = ROOT / "benchmarks" / "gpu_learning_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
+    assert out.returncode == 0, out.stderr
+    train, plot = [shlex.split(line) for line in out.stdout.strip().splitlines()]
+    config = dreamer.parse(train[2:])
+    # The reference curve's setting: recipe2024 size1m, train ratio 512, action repeat 2, 40K frames.
+    assert (config.task, config.train_ratio, config.action_repeat, config.steps) == ("dmc_cartpole_balance", 512,
+                                                                                      2, 40000)
+    assert (config.dyn_deter, config.update, config.device, config.compile) == (512, "joint", "cuda", True)
+    assert tools.total_updates(config) > 9000  # about 10K updates
+    assert plot[:2] == ["python3", "benchmarks/plot.py"] and "--table" in plot
 
 
 def test_distributed_benchmark_reports_frames_and_replayed_steps_per_second():
