@@ -28,9 +28,7 @@ command with --seeds 1), cov = fraction of occupied cells:
 
 Plan2Explore covers more than greedy on both grids in both seeds, and more of the pole's phase space
 (theta, theta_dot) than random; random actions, which never commit to a direction, visit more cart
-positions. No run collected reward at this budget (4000 frames, about 160 updates). An earlier
-measurement, before the actor's samples were kept inside the action box, had both learned actors
-pinned at one end of the rail.
+positions. No run collected reward at this budget (4000 frames, about 160 updates).
 """
 
 import argparse
