@@ -84,7 +84,10 @@ def top_operators(profiler, count=6):
 
 
 def usage():
-    return __doc__.strip() + "\n\nConfig keys and presets: python3 dreamer.py --help"
+    return ("usage: python3 benchmarks/train_speed.py [--configs PRESET ...] [--KEY VALUE ...] [--updates N] "
+            "[--warmup N] [--threads N] [--profile] [--no_malloc_tuning] [--compare [--compile_modes M,...] "
+            "[--precisions P,...] [--rounds N]]\n\n" + __doc__.strip()
+            + "\n\nConfig keys and presets: python3 dreamer.py --help")
 
 
 def leaf_operator_calls(profiler):

@@ -267,6 +267,7 @@ COMPILED_INSIDE = {
     "RMSNorm": "inside compiled bodies",
     "ChannelNorm": "inside compiled bodies",
     "ChannelRMSNorm": "inside compiled bodies",
+    "LayerNorm": "inside compiled bodies",
     "Plan2Explore": "holds the compiled ensemble and an actor-critic of compiled MLPs",
     "Random": "no network",
 }

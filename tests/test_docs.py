@@ -172,20 +172,33 @@ def dreamer_args(command):
     for word in words[index + 1:]:
         if word in ("&&", ";", ">", "2>&1") or word.startswith(">"):
             break
-        args.append(word.strip("'\""))
+        args.append(word.strip("'\"").removesuffix(";"))
+        if word.endswith(";"):
+            break
     return args
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_documented_dreamer_command_parses(doc):
-    commands = [dreamer_args(c) for c in fenced_commands(doc.read_text())]
+    lines = fenced_commands(doc.read_text())
+    variables = dict(re.findall(r'^(\w+)="([^"]*)"$', "\n".join(lines), re.M))  # NAME="..." lines of a block
+    for name, value in variables.items():
+        lines = [line.replace(f"${name}", value) for line in lines]
+    commands = [dreamer_args(c) for c in lines]
     commands = [c for c in commands if c is not None]
     if doc.name == "README.md" and doc.parent == ROOT:
         assert len(commands) >= 5, "the README shows how to run"
     for args in commands:
         if "--help" in args:
             continue
-        dreamer.parse([arg for arg in args if "$" not in arg])  # raises ConfigError on any bad key or value
+        known = []  # a shell variable's value is not known here: it and the flag it belongs to are left out
+        for arg in args:
+            if "$" in arg:
+                if known and known[-1].startswith("--"):
+                    known.pop()
+                continue
+            known.append(arg)
+        dreamer.parse(known)  # raises ConfigError on any bad key or value
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
