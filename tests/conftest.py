@@ -1,5 +1,7 @@
 """Fixtures shared by several test files."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -12,3 +14,34 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def spaces():
+    """Observation and action spaces of the debug task, taken as dreamer.main takes them."""
+    import dreamer
+    import envs
+
+    env = envs.make_env(dreamer.parse(["--configs", "debug"]), "train", 0)
+    try:
+        return env.obs_space, env.act_space
+    finally:
+        env.close()
+
+
+@pytest.fixture(scope="module")
+def base_run(request, tmp_path_factory):
+    """A finished 40-frame run of the module's SHORT flags (one 20-step episode, one checkpoint at
+    frame 40); tests copy it (run_copy) before changing it."""
+    import dreamer
+
+    logdir = tmp_path_factory.mktemp("base") / "run"
+    dreamer.main([*request.module.SHORT, "--logdir", str(logdir), "--steps", "40"])
+    return logdir
+
+
+@pytest.fixture
+def run_copy(base_run, tmp_path):
+    logdir = tmp_path / "run"
+    shutil.copytree(base_run, logdir)
+    return logdir

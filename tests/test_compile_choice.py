@@ -11,7 +11,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
-import envs  # noqa: E402
 import models  # noqa: E402
 import tools  # noqa: E402
 
@@ -59,15 +58,6 @@ def test_the_rule_states_its_measurements():
     assert "warm-up of the first 2 updates 4.7 s eager and 377 s compiled" in source
     assert models.COMPILE_WARMUP_S == pytest.approx(377 - 4.7, abs=5)
     assert models.COMPILE_SAVED_S_PER_FLOP == pytest.approx((11.61 - 10.58) / 5.0e11, rel=0.03)
-
-
-@pytest.fixture(scope="module")
-def spaces():
-    env = envs.make_env(make_config(), "train", 0)
-    try:
-        return env.obs_space, env.act_space
-    finally:
-        env.close()
 
 
 def test_parameter_counts_match_the_built_model_and_draw_no_random_numbers(spaces):

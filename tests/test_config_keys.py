@@ -21,7 +21,6 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
-import envs  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
 import parallel  # noqa: E402
@@ -38,16 +37,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def make_config(*flags):
     return dreamer.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
-
-
-@pytest.fixture(scope="module")
-def spaces():
-    """Observation and action spaces of the debug task, taken as dreamer.main takes them."""
-    env = envs.make_env(make_config(), "train", 0)
-    try:
-        return env.obs_space, env.act_space
-    finally:
-        env.close()
 
 
 def make_agent(spaces, *flags, seed=0):

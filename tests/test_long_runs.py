@@ -11,7 +11,6 @@ import copy
 import errno
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -408,21 +407,6 @@ def test_sigterm_to_a_torchrun_group_saves_once_ends_every_rank_and_resumes(tmp_
 
 
 # -- runs: a full disk or read-only logdir at each of the three writes ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A finished 40-frame run (one 20-step episode, one checkpoint at frame 40)."""
-    logdir = tmp_path_factory.mktemp("base") / "run"
-    dreamer.main([*SHORT, "--logdir", str(logdir), "--steps", "40"])
-    return logdir
-
-
-@pytest.fixture
-def run_copy(base_run, tmp_path):
-    logdir = tmp_path / "run"
-    shutil.copytree(base_run, logdir)
-    return logdir
 
 
 def is_episode(name):

@@ -55,21 +55,6 @@ def snapshot(folder, skip=("run.lock",)):
             if p.is_file() and p.name not in skip}
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A finished 40-frame run (one 20-step episode, one checkpoint); tests copy it before changing it."""
-    logdir = tmp_path_factory.mktemp("base") / "run"
-    dreamer.main([*SHORT, "--logdir", str(logdir), "--steps", "40"])
-    return logdir
-
-
-@pytest.fixture
-def run_copy(base_run, tmp_path):
-    logdir = tmp_path / "run"
-    shutil.copytree(base_run, logdir)
-    return logdir
-
-
 def trainer_for(logdir):
     config = make_config(*SHORT[2:], "--logdir", str(logdir))
     env_list = parallel.make_envs(config, "train", 1)
