@@ -384,8 +384,9 @@ class Parallel:
         self._worker.stop()
         if not self.restart:
             self._fail(f"the worker process {reason}; not restarted (restart=False, env_failure: stop)")
-        warnings.warn(f"Environment {self.index}: the worker process {reason}; restarting it and "
-                      "dropping its episode.", RuntimeWarning, stacklevel=3)
+        lost = "dropping its episode" if method == "step" else "between episodes, nothing to drop"
+        warnings.warn(f"Environment {self.index}: the worker process {reason}; restarting it ({lost}).",
+                      RuntimeWarning, stacklevel=3)
         obs = self._restart()
         return obs if method == "reset" else (obs, 0.0, False, {"restarted": True})
 

@@ -239,9 +239,14 @@ def test_worker_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
     os.kill(workers(process.pid)[0], signal.SIGKILL)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
-    assert "restarting it and dropping its episode" in err
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 300 and rows[-1]["train/dropped_episodes"] == 1
+    assert rows[-1]["step"] == 300
+    # The kill lands mid-episode (its episode is dropped) or, rarely, as the worker resets between two.
+    if "restarting it (dropping its episode)" in err:
+        assert rows[-1]["train/dropped_episodes"] == 1
+    else:
+        assert "restarting it (between episodes, nothing to drop)" in err, err[-3000:]
+        assert rows[-1]["train/dropped_episodes"] == 0
 
 
 def test_ctrl_c_ends_every_thread_and_process_and_saves(tmp_path):
