@@ -662,7 +662,7 @@ class AsyncLoop:
 
     A `tools.SamplesPerInsert` limiter holds the train ratio within `ratio_tolerance` updates: the
     learner waits when it runs ahead, the actor when the learner falls behind. The actor thread uses
-    one torch thread; the learner keeps its own (README, Asynchronous training).
+    one torch thread; the learner keeps its own (README, Going faster).
     """
 
     waits = ("learner_wait", "env_wait")
@@ -713,8 +713,8 @@ class AsyncLoop:
         """The actor thread: step all environments while the limiter allows, until `steps` frames."""
         trainer, config = self.trainer, self.trainer.config
         # Intra-op threads are set per thread: the policy on a few observations gets one, and the
-        # learner keeps all of its own. (A first design, the learner on cores - 1 threads switched to
-        # all while the actor waited, measured ~1.5x slower updates than sync on 2 cores: README.)
+        # learner keeps all of its own (the learner on cores - 1 threads, switched to all while the actor
+        # waited, measured ~1.5x slower updates than sync on 2 cores).
         torch.set_num_threads(1)
         try:
             while not self.stop.is_set() and trainer.frames < config.steps:

@@ -5,7 +5,7 @@ small model (so that a run takes minutes on a CPU): `--envs 1` and `--envs 4 --p
 synchronous and asynchronous. Prints one row per run: wall-clock seconds (the whole process, start-up
 included) and of the training loop alone (from the end of the prefill), the async/sync ratios, the
 learner's and the environments' busy fractions (time-weighted over the logged intervals), the measured
-train ratio, and the measured cost of a policy step and of an update (the README's projection uses them).
+train ratio, and the measured cost of a policy step and of an update.
 
     python3 benchmarks/wall_clock.py                  # walker (DMC vision), pong (atari100k), crafter, walker16
     python3 benchmarks/wall_clock.py --tasks walker16 --frames 960 --setups 4p
