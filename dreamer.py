@@ -282,33 +282,17 @@ class Dreamer(nn.Module):
         self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
         self.context = models.ReplayContext(config)
         self.expl_behavior = exploration.make_behavior(config, self.wm, act_space)
-        self.compiled = self.compile_steps() if config.compile else []
+        compiler = models.COMPILERS[config.compile]
+        self.compiled = compiler(self, networks.COMPILED + exploration.COMPILED) if compiler else []
 
-    def compile_steps(self):
-        """Compile the functions that do the work of every update and every policy step: the RSSM
-        transitions (run once per time step) and the bodies of every network a preset builds
-        (networks.COMPILED, exploration.COMPILED)."""
-        # The actor's backward pass keeps the graph (retain_graph) for the critic's loss, which
-        # compiled backward functions allow only without donated buffers.
-        torch._functorch.config.donated_buffer = False
-        # One MLP.forward serves every MLP, each seen with and without gradients and with its own
-        # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
-        # (past which the rest would silently run eagerly).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        rssm = self.wm.rssm
-        rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
-        rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
-        compiled = [rssm.img_step, rssm.obs_step]
-        for name, module in self.named_modules():
-            # The critic's single forward pass is backpropagated twice, once into its input (the
-            # actor's loss) and once into its weights (its own loss). Eager autograd computes only
-            # what each pass needs; a compiled backward would compute both every time.
-            if name.endswith(".critic.mlp"):  # not slow_critic.mlp: that one only runs forward
-                continue
-            if isinstance(module, networks.COMPILED + exploration.COMPILED):
-                module.forward = networks.Compiled(module.forward, name)
-                compiled.append(module.forward)
-        return compiled
+    def regions(self):
+        """What compile 'update' compiles whole (models.compile_update): (owner, method name) of the
+        update strategy's regions (its losses, optimizer steps and slow critic), the exploration's,
+        and the policy step."""
+        regions = [*self.updater.regions(), (self, "act")]
+        if isinstance(self.expl_behavior, exploration.Plan2Explore):
+            regions += self.expl_behavior.regions()
+        return regions
 
     def extrinsic_reward(self, feat, state, action):
         return self.wm.heads["reward"](feat).mean()
@@ -327,8 +311,14 @@ class Dreamer(nn.Module):
             action = torch.zeros(n, self.act_size, device=embed.device)
         else:
             latent, action = state
+        latent, action = self.act(embed, data["is_first"], latent, action, mode)
+        return action.cpu().numpy(), (latent, action)
+
+    def act(self, embed, is_first, latent, action, mode):
+        """The policy step on the device: embed (N, E), is_first (N,), the last latent and action
+        (N, A) -> the new latent and the action to take."""
         sample = not (mode == "eval" and self.config.eval_state_mean)
-        latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
+        latent, _ = self.wm.rssm.obs_step(latent, action, embed, is_first, sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
             policy = self.task_behavior.actor(feat)
@@ -337,7 +327,7 @@ class Dreamer(nn.Module):
             action = self.expl_behavior.actor(feat).sample()
         else:
             action = self.task_behavior.actor(feat).sample()
-        return action.cpu().numpy(), (latent, action)
+        return latent, action
 
     def train_step(self, batch, data=None):
         """One update of every learner on a replayed batch (B, K + T, ...) with K replay_context
@@ -359,6 +349,9 @@ class Dreamer(nn.Module):
         percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
         and all weights and buffers (the slow critic, the return EMAs) start from the main
         process's, so that they stay identical on every process."""
+        if self.config.compile == "update" and ranks.world_size > 1:
+            raise tools.ConfigError("--compile update does not run under torchrun yet: the return normalisation "
+                                    "all-gathers inside a compiled loss; use --compile True (step by step)")
         for module in self.modules():
             if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
                 module.ranks = ranks
@@ -420,7 +413,8 @@ class StoredEpisodes:
         # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
         # is the evaluation replay's).
         self.replay = tools.Replay(config.dataset_size, max(1, config.envs),
-                                   config.seed + (1 + 1000 * rank if rank else 0))
+                                   config.seed + (1 + 1000 * rank if rank else 0),
+                                   device=config.device if config.replay_device else None)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         # Training episodes hold the policy's latents too when the replay context wants them.
         train_spec = {**spec, **context_spec} if spec is not None else None
@@ -1173,17 +1167,21 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
 
 
 def compile_note(config, auto=None):
-    """`auto`: why compile 'auto' settled as it did (models.compile_choice), or None when the value
-    was asked for."""
-    flag = "--compile False turns it off" if config.compile else "--compile True compiles"
-    if auto is not None:
-        return f"{'on' if config.compile else 'off'} (auto: {auto}; {flag})"
+    """What `compile` runs, what it gains and costs, and with `auto` (models.compile_choice's reason;
+    None when the value was asked for) why it settled so."""
     if not config.compile:
-        return "off"
-    if torch.device(config.device).type == "cpu":
-        return ("on (on a CPU measured 1.1-1.6x faster per update after a warm-up of one to several minutes; "
-                f"{flag})")
-    return "on (the first updates include compilation)"
+        return f"off (auto: {auto}; --compile True compiles)" if auto is not None else "off"
+    cpu = torch.device(config.device).type == "cpu"
+    if config.compile is True:
+        what, other = "on, step by step", "--compile update compiles the whole update"
+        gain = "on a CPU measured 1.1-1.6x faster per update after a warm-up of one to several minutes"
+    else:
+        what = "on, the whole update" + ("" if cpu else " as CUDA graphs")
+        other = "--compile True compiles step by step"
+        gain = "on a CPU it compiles for many minutes, and long unrolls (batch_length 64) for longer still"
+    gain = gain if cpu else "the first updates include compilation"
+    reason = f"auto: {auto}; " if auto is not None else ""
+    return f"{what} ({reason}{gain}; {other}; --compile False turns it off)"
 
 
 def actor_note(config, resolved):
@@ -1299,9 +1297,9 @@ RANGES = {
 
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-               "parallel", "env_failure", "compile", "video_pred_log", "asynchronous", "actor_sync_every",
-               "ratio_tolerance", "save_every", "chunk_size", "logger", "wandb.project", "wandb.entity",
-               "wandb.group", "wandb.name", "wandb.tags")
+               "parallel", "env_failure", "compile", "replay_device", "video_pred_log", "asynchronous",
+               "actor_sync_every", "ratio_tolerance", "save_every", "chunk_size", "logger", "wandb.project",
+               "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
 
 
 def parse(argv, presets=None):

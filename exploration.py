@@ -163,11 +163,16 @@ class Plan2Explore(nn.Module):
         self.ranks.average_([count])
         return (error * valid.reshape(-1)).sum() / count.clamp(min=1)
 
+    def regions(self):
+        """What compile 'update' compiles whole (models.compile_update): the ensemble's loss and
+        optimizer step, and the exploration actor-critic's (models.behavior_regions)."""
+        return [(self, "ensemble_loss"), (self.optimizer.opt, "step"), *models.behavior_regions(self.behavior)]
+
     def train_step(self, start, start_cont, post, embed, data):
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
         # The actor's dynamics gradient flows through the ensemble; its weights need no gradient.
-        with models.frozen(self.ensemble):
+        with models.frozen(self.ensemble):  # the world model's are frozen by behavior_step
             metrics.update(models.behavior_step(self.behavior, start, start_cont))
         metrics.update(self.reward_stats)
         return metrics

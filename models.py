@@ -310,8 +310,9 @@ def rollout(rssm, actor, start, horizon, through_dynamics):
         states.append(state)
         actions.append(action)
         outs.append(out)
-        if t < horizon:
-            state = rssm.img_step(state, action if through_dynamics else action.detach())
+        if t < horizon:  # without the dynamics gradient the imagined states record no graph
+            with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
+                state = rssm.img_step(state, action if through_dynamics else action.detach())
     stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
     states = {k: stack([s[k] for s in states]) for k in states[0]}
     return stack(feats), states, stack(actions), stack(outs)
@@ -375,24 +376,29 @@ class ActorCritic(nn.Module):
         """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
         without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
         the replay value loss is computed on them, so that its gradient can reach the world model
-        (update 'joint'); otherwise on the detached start states."""
+        (update 'joint'); otherwise on the detached start states.
+
+        The two losses send gradients only into their own network, so that one backward pass of
+        their sum serves both optimizers (models.optimize): the critic's values that the actor's
+        returns bootstrap from are computed with its weights detached, and the critic learns from a
+        pass of its own on the detached features. The callers freeze the world model where its
+        weights would otherwise receive the actor's dynamics gradient (behavior_step)."""
         config = self.config
         wm = self.wm[0]
-        with frozen(wm), autocast(config):
+        through_dynamics = config.imag_gradient != "reinforce"
+        with autocast(config):
             with profiled("imagination"):
-                feat, state, action, policy_out = self.imagine(start)
-                # Rewards of the states reached, steps 1..H: (H, N).
-                reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
+                # REINFORCE needs no gradient through the rewards and values of imagined states.
+                with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
+                    # Rewards of the states reached, steps 1..H: (H, N).
+                    reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                    weights = {k: v.detach() for k, v in self.critic.named_parameters()}
+                    value = torch.func.functional_call(self.critic, weights, (feat,), strict=True).mean()  # (H+1, N)
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
                 # The weight discounts losses of states the model believes lie past an episode end.
                 weight = (torch.cumprod(discount * cont, 0) / discount).detach()
-                # One critic pass serves both losses: its values bootstrap the returns (the actor's
-                # dynamics gradient flows through them into feat) and its outputs at steps 0..H-1
-                # are what the critic loss trains. Each optimizer backpropagates into its own
-                # parameters only, so neither loss leaks into the other network.
-                critic_out = self.critic.raw(feat)  # (H+1, N, bins)
-                value = self.critic.dist(critic_out).mean()  # (H+1, N)
                 returns = lambda_return(reward, cont[1:], value[1:], discount, config.discount_lambda)
             with profiled("actor"):
                 policy = self.actor.dist(policy_out[:-1])
@@ -400,6 +406,7 @@ class ActorCritic(nn.Module):
                 # also flows through v(s_t) of the imagined states (into the actor only).
                 actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
             with profiled("critic"):
+                critic_out = self.critic.raw(feat.detach())  # (H+1, N, bins)
                 critic_dist = self.critic.dist(critic_out[:-1])
                 critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 if replay is not None and config.critic.repval:
@@ -407,7 +414,7 @@ class ActorCritic(nn.Module):
                         replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
                         replay_out = self.critic.raw(replay_feat)
                     else:
-                        replay_feat, replay_out = feat[0], critic_out[0]
+                        replay_feat, replay_out = feat[0].detach(), critic_out[0]
                     repval = replay_value_loss(self, replay_feat.detach(), replay_out, returns[0].detach(), replay)
                     critic_loss = critic_loss + wm.scales["repval"] * repval
                     critic_metrics["critic_repval_loss"] = repval.detach()
@@ -465,13 +472,14 @@ class ActorCritic(nn.Module):
 
     @torch.no_grad()
     def update_slow_critic(self):
-        """EMA of the critic's weights every slow_target_update updates."""
+        """EMA of the critic's weights every slow_target_update updates. The fraction is 0 between
+        them, chosen on the device: no count is read back to the host."""
         config = self.config.critic
-        if self.updates % config.slow_target_update == 0:
-            mix = config.slow_target_fraction
-            for slow, fast in zip(self.slow_critic.parameters(), self.critic.parameters()):
-                slow.mul_(1 - mix).add_(mix * fast)
-        self.updates += 1
+        mix = torch.where(self.updates % config.slow_target_update == 0, config.slow_target_fraction, 0.0)
+        slow, fast = list(self.slow_critic.parameters()), list(self.critic.parameters())
+        torch._foreach_mul_(slow, 1 - mix)
+        torch._foreach_add_(slow, torch._foreach_mul(fast, mix))
+        self.updates.add_(1)
 
     def finish_step(self, metrics):
         """After every update of the actor and critic, whichever strategy stepped them: the slow
@@ -497,13 +505,19 @@ def behavior_step(behavior, start, start_cont, replay=None):
     """One step of an ActorCritic's own optimizers on its loss (ActorCritic.loss) from posterior
     states start (N, ...) with their continue flags (N,); `replay` (the replayed reward, is_last
     and is_terminal, (B, T) with N = B * T) feeds the replay value loss. Returns prefixed metrics."""
-    actor_loss, critic_loss, metrics = behavior.loss(start, start_cont, replay)
-    with autocast(behavior.config):
-        with profiled("actor"):  # the backward pass through the imagined trajectories
-            metrics.update(behavior.actor_opt(actor_loss, retain_graph=True))  # the critic's graph is reused
-        with profiled("critic"):
-            metrics.update(behavior.critic_opt(critic_loss))
+    # The actor's dynamics gradient flows through the world model; its weights need none.
+    with frozen(behavior.wm[0]):
+        actor_loss, critic_loss, metrics = behavior.loss(start, start_cont, replay)
+    with profiled("actor_critic_backward"), autocast(behavior.config):
+        metrics.update(optimize({behavior.actor_opt: actor_loss, behavior.critic_opt: critic_loss}))
     return behavior.finish_step(metrics)
+
+
+def behavior_regions(behavior):
+    """What compile 'update' compiles whole of an ActorCritic that behavior_step steps: its loss,
+    the actor's and the critic's optimizer steps and the slow critic's EMA."""
+    return [(behavior, "loss"), (behavior.actor_opt.opt, "step"), (behavior.critic_opt.opt, "step"),
+            (behavior, "update_slow_critic")]
 
 
 class SequentialUpdate:
@@ -514,6 +528,11 @@ class SequentialUpdate:
 
     def __init__(self, config, world_model, behavior):
         self.wm, self.behavior = world_model, behavior
+
+    def regions(self):
+        """What compile 'update' compiles whole: the world model's loss and optimizer step, and the
+        actor-critic's (behavior_regions)."""
+        return [(self.wm, "loss"), (self.wm.optimizer.opt, "step"), *behavior_regions(self.behavior)]
 
     def train_step(self, data, start=None):
         """One update on a preprocessed batch (B, T, ...) from the latent `start` (see
@@ -546,9 +565,15 @@ class JointUpdate:
         self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
                                    config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
 
-    def train_step(self, data, start=None):
-        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
-        detached posterior, the embedding and the metrics, like SequentialUpdate.train_step."""
+    def regions(self):
+        """What compile 'update' compiles whole: the one loss, the one optimizer step and the slow
+        critic's EMA."""
+        return [(self, "loss"), (self.optimizer.opt, "step"), (self.behavior, "update_slow_critic")]
+
+    def loss(self, data, start=None):
+        """The sum of the world model's and the actor-critic's losses on a preprocessed batch
+        (B, T, ...) from the latent `start`, all at the same parameters; returns the total, the
+        posterior, the embedding, the world model's and the actor-critic's metrics."""
         with autocast(self.config):
             with profiled("world_model"):
                 model_loss, post, embed, metrics = self.wm.loss(data, start)
@@ -556,9 +581,16 @@ class JointUpdate:
             replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
             replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
             actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
-            behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
-            metrics["model_loss"] = model_loss.detach()
-            metrics.update(self.optimizer(model_loss + actor_loss + critic_loss))
+        behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
+        metrics["model_loss"] = model_loss.detach()
+        return model_loss + actor_loss + critic_loss, post, embed, metrics, behavior_metrics
+
+    def train_step(self, data, start=None):
+        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
+        detached posterior, the embedding and the metrics, like SequentialUpdate.train_step."""
+        loss, post, embed, metrics, behavior_metrics = self.loss(data, start)
+        with autocast(self.config):
+            metrics.update(self.optimizer(loss))
         metrics.update(self.behavior.finish_step(behavior_metrics))
         return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
 
@@ -621,8 +653,11 @@ class ReplayContext:
             return
         for key in ("deter", "stoch"):
             name = self.PREFIX + key
-            batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
-                                          post[key].detach().float().cpu().numpy()], 1)
+            if isinstance(batch[name], torch.Tensor):  # replay_device: it stays there
+                batch[name] = torch.cat([batch[name][:, :self.steps], post[key].detach().float()], 1)
+            else:
+                batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
+                                              post[key].detach().float().cpu().numpy()], 1)
 
     def write_back(self, replay, ids, batch):
         """Write the trained steps' latents of `batch` (see store) to the replay, to the steps
@@ -631,7 +666,7 @@ class ReplayContext:
             return
         ids = np.array(ids)
         ids[:, 1] += self.steps
-        replay.update(ids, {k: np.asarray(batch[k])[:, self.steps:] for k in self.spec})
+        replay.update(ids, {k: batch[k][:, self.steps:] for k in self.spec})
 
 
 
@@ -640,7 +675,124 @@ class ReplayContext:
 # ==================================================================================================
 
 
-class LaProp(torch.optim.Optimizer):
+class ClippedOptimizer(torch.optim.Optimizer):
+    """The base of Adam, AdamW and LaProp here: each `step` clips the gradients (a global norm
+    `clip`, 0 for none, and/or adaptive clipping `agc`, 0 for none), ramps the learning rate up
+    over `warmup` updates (the first update has rate 0, as in the official code) and then updates
+    every parameter with a gradient, all in a few multi-tensor (`torch._foreach_*`) operations.
+
+    Every number that changes between updates is a tensor on the parameters' device: the count of
+    steps taken (`updates`, which the bias corrections and the warm-up read) and `grad_norm`, the
+    last step's norm before clipping. So a compiled `step` (compile 'update') is one graph that
+    neither reads a value back to the host nor recompiles. The moments are kept per parameter
+    under torch.optim.Adam's names; the step count is one for all (torch keeps one per parameter,
+    equal for parameters that get a gradient at every step, as all of these do).
+    """
+
+    STATE = ()  # the moment buffers per parameter
+
+    def __init__(self, params, lr, eps, betas, weight_decay, clip=0.0, agc=0.0, warmup=0):
+        super().__init__(params, dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay))
+        self.clip, self.agc, self.warmup = clip, agc, warmup
+        self.updates = torch.zeros((), dtype=torch.int64)  # moved to the parameters' device by init_state
+        self.grad_norm = torch.zeros(())
+        self.ready = False  # whether init_state ran since construction or loading
+
+    def load_state_dict(self, state_dict):
+        """Also a torch.optim.Adam state: its per-parameter step counts give the count."""
+        super().load_state_dict(state_dict)
+        steps = [float(state.pop("step")) for state in self.state.values() if "step" in state]
+        if steps:
+            self.updates = torch.tensor(int(max(steps)))
+        self.ready = False
+
+    def init_state(self):
+        """Create the moments of every parameter and move the counters to the parameters' device,
+        before the first step and outside any compiled region; a loaded state is kept."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                for key in self.STATE:
+                    if key not in state:
+                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        device = self.param_groups[0]["params"][0].device
+        self.updates, self.grad_norm = self.updates.to(device), self.grad_norm.to(device)
+        self.ready = True
+
+    def rate(self, group):
+        """The learning rate of this update: lr, times min(1, updates / warmup) in the warm-up."""
+        if not self.warmup:
+            return group["lr"]
+        return group["lr"] * torch.clamp(self.updates.float() / self.warmup, max=1.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.ready:  # compile 'update' runs it before the first compiled step
+            self.init_state()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # In place: a compiled step mutates its inputs, and sets no attributes.
+        if grads:
+            self.grad_norm.copy_(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        else:
+            self.grad_norm.zero_()
+        if self.clip:  # torch.nn.utils.clip_grad_norm_'s rule
+            torch._foreach_mul_(grads, torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
+        if self.agc:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            agc_(params, grads, self.agc)
+        count = (self.updates + 1).double()  # this step's number, t = 1, 2, ...
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                state = [self.state[p] for p in params]
+                self.update(group, self.rate(group), count, params, [p.grad for p in params],
+                            *[[s[key] for s in state] for key in self.STATE])
+        self.updates.add_(1)
+
+    @staticmethod
+    def bias_correction(beta, count):
+        """1 - beta ** t as a float64 tensor, so that it loses nothing (a 0-dim tensor does not
+        change the dtype of the moments it scales)."""
+        return 1 - torch.pow(beta, count)
+
+
+def agc_(params, grads, clip, floor=1e-3):
+    """Adaptive gradient clipping, per tensor: scale each gradient down to at most
+    clip * max(floor, |param|) in L2 norm (the 2024 recipe, with clip 0.3)."""
+    upper = clip * torch.clamp(torch.stack(torch._foreach_norm(params)), min=floor)
+    scale = 1 / torch.clamp(torch.stack(torch._foreach_norm(grads)) / upper, min=1.0)
+    torch._foreach_mul_(grads, list(scale.unbind()))
+
+
+class Adam(ClippedOptimizer):
+    """Adam (Kingma and Ba 2015), as torch.optim.Adam computes it; `decoupled` weight decay makes
+    it AdamW (Loshchilov and Hutter 2019)."""
+
+    STATE = ("exp_avg", "exp_avg_sq")
+    decoupled = False
+
+    def update(self, group, lr, count, params, grads, exp_avg, exp_avg_sq):
+        beta1, beta2 = group["betas"]
+        if group["weight_decay"] and self.decoupled:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        elif group["weight_decay"]:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+        # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, torch.sqrt(self.bias_correction(beta2, count)))
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_mul_(denom, self.bias_correction(beta1, count) / lr)  # divided by the step size
+        torch._foreach_addcdiv_(params, exp_avg, denom, value=-1.0)
+
+
+class AdamW(Adam):
+    decoupled = True
+
+
+class LaProp(ClippedOptimizer):
     """LaProp (Ziyin et al. 2020), the 2024 recipe's optimizer: each gradient is divided by the
     root of its bias-corrected second-moment EMA first, and the momentum averages these
     normalised steps (Adam averages the raw gradients, then divides):
@@ -649,59 +801,39 @@ class LaProp(torch.optim.Optimizer):
         mu = b1 mu + (1 - b1) u,     p -= lr (mu / (1 - b1^t) + weight_decay p).
     """
 
-    def __init__(self, params, lr, eps=1e-20, betas=(0.9, 0.999), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay))
+    STATE = ("nu", "mu")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["nu"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["mu"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                t, grad = state["step"], p.grad.float()
-                state["nu"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                scaled = grad / ((state["nu"] / (1 - beta2 ** t)).sqrt() + group["eps"])
-                state["mu"].mul_(beta1).add_(scaled, alpha=1 - beta1)
-                update = state["mu"] / (1 - beta1 ** t)
-                if group["weight_decay"]:
-                    update = update + group["weight_decay"] * p
-                p.sub_((group["lr"] * update).to(p.dtype))
+    def update(self, group, lr, count, params, grads, nu, mu):
+        beta1, beta2 = group["betas"]
+        torch._foreach_mul_(nu, beta2)
+        torch._foreach_addcmul_(nu, grads, grads, 1 - beta2)
+        denom = torch._foreach_div(nu, self.bias_correction(beta2, count))
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_lerp_(mu, torch._foreach_div(grads, denom), 1 - beta1)
+        update = torch._foreach_div(mu, self.bias_correction(beta1, count))
+        if group["weight_decay"]:
+            torch._foreach_add_(update, params, alpha=group["weight_decay"])
+        torch._foreach_mul_(update, lr)
+        torch._foreach_sub_(params, update)
 
 
-OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "laprop": LaProp}
-
-
-def agc_(params, clip, floor=1e-3):
-    """Adaptive gradient clipping, per tensor: scale each gradient down to at most
-    clip * max(floor, |param|) in L2 norm (the 2024 recipe, with clip 0.3)."""
-    for p in params:
-        if p.grad is None:
-            continue
-        upper = clip * torch.clamp(torch.linalg.vector_norm(p.detach()), min=floor)
-        p.grad.mul_(1 / torch.clamp(torch.linalg.vector_norm(p.grad) / upper, min=1.0))
+OPTIMIZERS = {"adam": Adam, "adamw": AdamW, "laprop": LaProp}
 
 
 class Optimizer:
-    """Adam(W) or LaProp with global gradient-norm clipping and/or per-tensor adaptive clipping,
-    an optional linear learning-rate warm-up and, for float16, a gradient scaler.
+    """One learner's optimizer (config `opt`: Adam, AdamW or LaProp) with its clipping, warm-up
+    (see ClippedOptimizer) and, for float16, a gradient scaler.
 
-    clip 0 turns the global clip off (its norm is still reported); agc 0 turns adaptive clipping
-    off; warmup is the number of updates over which the learning rate rises linearly from 0 (the
-    first update has rate 0, as in the official code). Metrics stay tensors so that an update
-    never waits on the device.
+    `optimize({optimizer: loss, ...})` steps several learners on one backward pass; calling an
+    Optimizer on a loss steps it alone. Metrics stay tensors so that an update never waits on the
+    device.
 
     Under torchrun `ranks` (see Dreamer.distribute) averages the gradients over processes between
     the backward pass and the clipping: an explicit all-reduce of the flattened gradients rather than
     DistributedDataParallel, because the losses backpropagate into chosen parameters only
-    (`backward(inputs=...)`) and the actor's pass keeps the graph for the critic's, which DDP's
-    hooks on whole modules do not model. Clipping and the scaler then see the averaged gradient.
+    (`backward(inputs=...)`), which DDP's hooks on whole modules do not model. Clipping and the
+    scaler then see the averaged gradient.
     """
 
     ranks = tools.SingleProcess()
@@ -712,28 +844,27 @@ class Optimizer:
                  warmup=0):
         self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
         self.params = [p for p in params if p.requires_grad]
-        kwargs = {"foreach": True} if opt != "laprop" else {}
-        self.opt = OPTIMIZERS[opt](self.params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
+        self.opt = OPTIMIZERS[opt](self.params, lr, eps, (0.9, 0.999), weight_decay, clip, agc, warmup)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
-        self.updates = 0  # for the warm-up; saved in state_dict
 
-    def __call__(self, loss, retain_graph=False):
+    @property
+    def updates(self):  # for the warm-up; saved in state_dict
+        return int(self.opt.updates)
+
+    def __call__(self, loss):
         """Backpropagate `loss` into this optimizer's parameters only (no gradient is computed for
         any other module the loss depends on), clip and step."""
-        self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward(inputs=self.params, retain_graph=retain_graph)
+        return optimize({self: loss})
+
+    def step(self, loss):
+        """After the backward pass: average over processes, unscale, clip and step; metrics."""
+        if not self.opt.ready:
+            self.opt.init_state()
         self.ranks.average_(p.grad for p in self.params if p.grad is not None)
         self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip or float("inf"), foreach=True)
-        if self.agc:
-            agc_(self.params, self.agc)
-        if self.warmup:
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * min(1.0, self.updates / self.warmup)
-        self.scaler.step(self.opt)
+        self.scaler.step(self.opt)  # opt.step, skipped by the float16 scaler on an overflow
         self.scaler.update()
-        self.updates += 1
-        return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": norm.detach()}
+        return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": self.opt.grad_norm.clone()}
 
     def state_dict(self):
         return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates,
@@ -746,10 +877,11 @@ class Optimizer:
         settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
-        self.updates = state.get("updates", 0)  # checkpoints from before the warm-up have none
+        if "updates" in state:  # checkpoints from before the warm-up have none (the moments' step counts serve)
+            self.opt.updates = torch.tensor(state["updates"])
         changes = []
         for group, current in zip(self.opt.param_groups, settings):
-            if "base_lr" in state:  # mid warm-up the saved rate is a ramped one: compare the target rate
+            if "base_lr" in state:  # older checkpoints saved a ramped rate mid warm-up: compare the target
                 group["lr"] = state["base_lr"]
             for key, value in current.items():
                 if group[key] != value:
@@ -757,6 +889,109 @@ class Optimizer:
                 group[key] = value
         return changes
 
+
+def optimize(losses):
+    """One backward pass of the sum of `losses` ({Optimizer: loss}) into the parameters of their
+    optimizers only, then each optimizer's step. The losses must not send gradients into each
+    other's parameters (ActorCritic.loss keeps the actor's and the critic's apart), since
+    each optimizer takes every gradient its parameters receive. Returns the metrics of all."""
+    params = [p for opt in losses for p in opt.params]
+    for opt in losses:
+        opt.opt.zero_grad(set_to_none=True)
+    sum(opt.scaler.scale(loss) for opt, loss in losses.items()).backward(inputs=params)
+    metrics = {}
+    for opt, loss in losses.items():
+        metrics.update(opt.step(loss))
+    return metrics
+
+
+# ==================================================================================================
+# 7. Compilation: `compile True` (step by step) and `compile update` (the whole update)
+# ==================================================================================================
+
+
+class CompileError(RuntimeError):
+    """A region of compile 'update' cannot be compiled as one graph; the message names it and the
+    fallbacks. It is never run eagerly instead."""
+
+
+class Region:
+    """One function compiled whole as one graph (fullgraph: a graph break is an error, never a
+    silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
+    (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
+    are cloned for the caller (metrics are kept until the log interval)."""
+
+    FAILURES = torch._dynamo.exc.TorchDynamoException  # a graph break, a compiler failure, a trace error
+
+    def __init__(self, fn, name, cuda_graphs):
+        self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
+                                      mode="reduce-overhead" if cuda_graphs else None)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        if self.cuda_graphs:  # the outputs of the last replay were cloned: their memory may be reused
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            result = self.compiled(*args, **kwargs)
+        except self.FAILURES as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CompileError(f"compile 'update': {self.name} cannot be compiled as one graph ({reason}); "
+                               "--compile True compiles step by step, --compile False runs eagerly") from e
+        self.calls += 1
+        if self.cuda_graphs:
+            result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
+        return result
+
+
+def compile_steps(agent, bodies):
+    """compile True: the functions that do the work of every update and every policy step, each
+    compiled on its own: the RSSM transitions (run once per time step) and the bodies of every
+    network a preset builds (`bodies`: networks.COMPILED and exploration.COMPILED). Between them
+    the update runs eagerly, one kernel per operator. Returns the compiled functions."""
+    # One MLP.forward serves every MLP, each seen with and without gradients and with its own
+    # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
+    # (past which the rest would silently run eagerly).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    rssm = agent.wm.rssm
+    rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
+    rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
+    compiled = [rssm.img_step, rssm.obs_step]
+    for name, module in agent.named_modules():
+        # The critic runs under torch.func.functional_call for the actor's values (its weights
+        # detached, ActorCritic.loss), which swaps its parameters on every call.
+        if name.endswith(".critic.mlp"):  # not slow_critic.mlp: that one only runs forward
+            continue
+        if isinstance(module, bodies):
+            module.forward = networks.Compiled(module.forward, name)
+            compiled.append(module.forward)
+    return compiled
+
+
+def compile_update(agent, bodies=None):
+    """compile 'update': every update as a few whole graphs, as few as its autograd structure
+    allows. Each loss region (the world model's, the actor-critic's, their sum in update 'joint',
+    Plan2Explore's ensemble; `agent.regions()`) is compiled forward and, by AOTAutograd, backward;
+    the backward pass between them is one call of the compiled backward graph; every optimizer's
+    step (clipping, adaptive clipping, warm-up and the update, ClippedOptimizer) and every slow
+    critic's EMA is a region too, and so is the policy step. The 64-step observe and the
+    imagination are unrolled into their graphs. Nothing inside reads a value back to the host, so
+    that on CUDA each region is captured as a CUDA graph. Returns the regions."""
+    cuda_graphs = torch.device(agent.config.device).type == "cuda"
+    # An update's regions run each with one set of shapes; a few variants (the policy's batch of
+    # training and evaluation environments, with and without gradients) stay within the limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    regions = []
+    for owner, method in agent.regions():
+        name = f"{type(owner).__name__}.{method}"
+        region = Region(getattr(owner, method), name, cuda_graphs)
+        setattr(owner, method, region)  # an instance attribute: the class's method stays eager
+        regions.append(region)
+    return regions
+
+
+# compile: what each value does to an agent; False runs eagerly.
+COMPILERS = {True: compile_steps, False: None, "update": compile_update}
 
 
 # ==================================================================================================
@@ -768,7 +1003,7 @@ CHOICES = {
     "precision": PRECISIONS,
     "opt": tuple(OPTIMIZERS),
     "update": tuple(UPDATES),
-    "compile": ("auto", True, False),
+    "compile": ("auto", *COMPILERS),
     "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
     "critic.dist": VALUE_DISTS,
     "reward_head.dist": VALUE_DISTS,
@@ -821,7 +1056,10 @@ def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, wa
     fewer launches); on a CPU by the rule above, for the parameter counts `counts` (None: the model
     is not known, eager)."""
     if torch.device(config.device).type == "cuda":
-        return True, "on CUDA compiled kernels are fused, with fewer launches per update"
+        found = tools.torchrun_rank()
+        if found is not None and found[1] > 1:  # compile_update refuses to run under torchrun
+            return True, "on CUDA under torchrun the steps are compiled, with fewer launches per update"
+        return "update", "on CUDA the whole update runs as a few CUDA graphs, with the fewest launches"
     if counts is None:
         return False, "on a CPU without the model to estimate its gain"
     updates = tools.total_updates(config)

@@ -726,6 +726,6 @@ CHOICES = {
     "actor.dist": ("auto", "normal", "onehot"),  # auto: settled by models.resolve_auto
 }
 
-# The network bodies Dreamer.compile_steps compiles: every body a preset builds. Heads and the
+# The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

@@ -409,8 +409,11 @@ def step_bytes(spec):
     return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in spec.values())
 
 
-def available_memory():
-    """Bytes of memory free for new allocations (Linux MemAvailable; elsewhere None: not known)."""
+def available_memory(device="cpu"):
+    """Bytes of memory free for new allocations: on a CUDA device its free memory, else the host's
+    (Linux MemAvailable; elsewhere None: not known)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0] if torch.cuda.is_available() else None
     try:
         for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -517,31 +520,38 @@ def stored_steps(directory):
 
 
 class Stream:
-    """Ring buffer of consecutive steps from one environment, as growable numpy arrays."""
+    """Ring buffer of consecutive steps from one environment, as growable arrays: numpy arrays in
+    host memory, or with `device` torch tensors there (replay_device), which a batch is gathered
+    from without a copy from the host."""
 
-    def __init__(self, capacity):
-        self.capacity = capacity
+    def __init__(self, capacity, device=None):
+        self.capacity, self.device = capacity, device
         self.data = {}
         self.count = 0  # steps ever written
 
     def __len__(self):
         return min(self.count, self.capacity)
 
+    def empty(self, shape, dtype):
+        if self.device is None:
+            return np.empty(shape, dtype)
+        return torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, device=self.device)
+
     def add(self, step):
         """Append one step; returns its index among all steps ever written (its id in this stream)."""
         if not self.data:
             size = min(self.capacity, 1024)
-            self.data = {k: np.empty((size, *np.shape(v)), np.asarray(v).dtype) for k, v in step.items()}
+            self.data = {k: self.empty((size, *np.shape(v)), np.asarray(v).dtype) for k, v in step.items()}
         size = len(next(iter(self.data.values())))
         if self.count == size and size < self.capacity:
             new = min(self.capacity, 2 * size)
             for key, array in self.data.items():
-                grown = np.empty((new, *array.shape[1:]), array.dtype)
+                grown = self.empty((new, *array.shape[1:]), array.dtype)
                 grown[:size] = array
                 self.data[key] = grown
         index = self.count % self.capacity
         for key, value in step.items():
-            self.data[key][index] = value
+            self.data[key][index] = value if self.device is None else torch.as_tensor(np.ascontiguousarray(value))
         self.count += 1
         return self.count - 1
 
@@ -550,18 +560,27 @@ class Stream:
         offset = self.count % self.capacity if self.count > self.capacity else 0
         return (offset + starts[:, None] + np.arange(length)[None]) % self.capacity
 
+    def gather(self, array, phys):
+        """array[phys] for numpy indices phys, on the array's device."""
+        return array[phys] if self.device is None else array[torch.as_tensor(phys, device=array.device)]
+
     def first(self):
         """Id (index among all steps ever written) of the oldest step still held."""
         return self.count - len(self)
 
     def write(self, first, values):
-        """Overwrite the steps with ids first, first + 1, ... by values (dict of (L, ...) arrays);
-        steps no longer held (dropped for newer ones) are left out."""
+        """Overwrite the steps with ids first, first + 1, ... by values (dict of (L, ...) arrays or
+        tensors); steps no longer held (dropped for newer ones) are left out."""
         ids = first + np.arange(len(next(iter(values.values()))))
         held = (ids >= self.first()) & (ids < self.count)
         phys = ids[held] % self.capacity  # a step's slot: its id modulo the capacity (see add)
         for key, value in values.items():
-            self.data[key][phys] = np.asarray(value)[held]
+            if self.device is None:
+                self.data[key][phys] = np.asarray(value)[held]
+            else:
+                value = torch.as_tensor(value, device=self.device)
+                self.data[key][torch.as_tensor(phys, device=self.device)] = value[torch.as_tensor(held,
+                                                                                                  device=self.device)]
 
 
 class Replay:
@@ -578,9 +597,10 @@ class Replay:
     under the lock, so a later add never changes a batch already taken).
     """
 
-    def __init__(self, capacity, streams, seed=0):
+    def __init__(self, capacity, streams, seed=0, device=None):
         per_stream = max(1, int(np.ceil(capacity / streams)))
-        self.streams = [Stream(per_stream) for _ in range(streams)]
+        self.device = None if device is None else torch.device(device)  # replay_device: None is host memory
+        self.streams = [Stream(per_stream, self.device) for _ in range(streams)]
         self.rng = np.random.default_rng(seed)
         self.lock = threading.Lock()
 
@@ -610,9 +630,10 @@ class Replay:
             return any(len(s) >= length for s in self.streams)
 
     def sample(self, batch, length, ids=False, alloc=np.empty):
-        """A batch of sequences: dict of arrays (batch, length, ...); with `ids` also the id of each
-        sequence's first step, (batch, 2) int64 of (stream, index), for `update`. `alloc(shape,
-        dtype)` makes each array the batch is copied into (Prefetcher: pinned memory)."""
+        """A batch of sequences: dict of arrays (batch, length, ...), tensors on the device for a
+        replay there; with `ids` also the id of each sequence's first step, (batch, 2) int64 of
+        (stream, index), for `update`. `alloc(shape, dtype)` makes each array the batch is copied
+        into (Prefetcher: pinned memory; a replay on the device allocates there)."""
         with self.lock:
             data, first = self._sample(batch, length, alloc)
         return (data, first) if ids else data
@@ -639,8 +660,11 @@ class Replay:
             first[rows, 1] = stream.first() + start
             for key, array in stream.data.items():
                 if key not in out:
-                    out[key] = alloc((batch, length, *array.shape[1:]), array.dtype)
-                out[key][rows] = array[phys]
+                    out[key] = (alloc((batch, length, *array.shape[1:]), array.dtype) if self.device is None
+                                else torch.empty((batch, length, *array.shape[1:]), dtype=array.dtype,
+                                                 device=self.device))
+                out[key][rows if self.device is None else torch.as_tensor(rows, device=self.device)] = \
+                    stream.gather(array, phys)
         return out, first
 
 
@@ -659,19 +683,22 @@ def select_keys(obs_space, cnn_pattern, mlp_pattern):
 
 
 def cost_lines(config, spec, free=None):
-    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps,
-    the episode files' disk per million steps; a WARNING when the replay cannot fit in the memory
-    free now (`free`, bytes; by default available_memory())."""
+    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps
+    (the device's with replay_device), the episode files' disk per million steps; a WARNING when the
+    replay cannot fit in the memory free now (`free`, bytes; by default available_memory())."""
     step = step_bytes(spec)
     replay = step * config.dataset_size
-    free = available_memory() if free is None else free
+    device = config.device if config.replay_device else "cpu"
+    free = available_memory(device) if free is None else free
+    where = f"{torch.device(device).type.upper()} memory" if config.replay_device else "memory"
     gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
-    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of memory at "
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} at "
              f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
              "million steps on disk (compressed .npz, images usually less)"]
     if free is not None and replay > free:
-        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of memory is free; the run "
-                     "will run out of memory as the replay fills: lower --dataset_size")
+        fix = "lower --dataset_size" + (", or --replay_device False" if config.replay_device else "")
+        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of {where} is free; the run "
+                     f"will run out of memory as the replay fills: {fix}")
     return lines
 
 
@@ -692,7 +719,8 @@ class Prefetcher:
         self.replay, self.batch, self.length = replay, batch, length
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.ahead = self.cuda if ahead is None else ahead
+        # A replay on the device gathers its batch there, in no time worth a thread.
+        self.ahead = (self.cuda and replay.device is None) if ahead is None else ahead
         self.pending = None  # (thread, result dict) of the batch being sampled ahead
 
     def host_array(self, shape, dtype):
@@ -712,6 +740,8 @@ class Prefetcher:
         asynchronously) or None (on a CPU: preprocess converts the host arrays). `more`: another
         batch follows in this run of updates; it is sampled ahead while this one trains."""
         batch, ids = self._take() if self.pending is not None else self.sample()
+        if self.replay.device is not None:  # replay_device: the batch is on the device already
+            return batch, ids, batch
         data = self.to_device(batch) if self.cuda else None
         if more and self.ahead:
             result = {}
@@ -773,7 +803,8 @@ def overlay(batch, ids, length, written_ids, values):
             low, high = max(start, first), min(start + length, first + span)
             if low < high:
                 for key, value in values.items():
-                    batch[key][r, low - start:high - start] = np.asarray(value)[q, low - first:high - first]
+                    value = value if isinstance(batch[key], torch.Tensor) else np.asarray(value)
+                    batch[key][r, low - start:high - start] = value[q, low - first:high - first]
 
 
 # ==================================================================================================

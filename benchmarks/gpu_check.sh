@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One GPU check, at most 8 minutes on one CUDA GPU (every step has a time cap and the whole script a
 # deadline; a step that does not fit is reported as skipped, never silently dropped):
-#   1. the suite's CUDA-relevant tests (tests/test_compile.py) on cuda (DREAMER_TEST_DEVICE=cuda);
-#   2. a short dmc_vision training run with --compile True --precision bf16 on cuda;
-#   3. benchmarks/train_speed.py for dmc_proprio recipe2024 size1m and dmc_vision (the default size),
-#      compile off/on x precision 32/bf16/16;
+#   1. the suite's CUDA-relevant tests on cuda (DREAMER_TEST_DEVICE=cuda): tests/test_compile.py,
+#      tests/test_replay_device.py, and tests/test_whole_update.py with Inductor and CUDA graphs
+#      (DREAMER_TEST_BACKEND=inductor);
+#   2. a short dmc_vision training run with --compile update --precision bf16 --replay_device True on cuda;
+#   3. benchmarks/train_speed.py for dmc_proprio recipe2024 size1m (compile off / step by step / whole
+#      update x precision 32 / bf16 / 16) and dmc_vision at the default size (off and whole update, bf16):
+#      s/update, updates/s, kernel launches per update and peak memory;
 # then one table. Outputs go to $GPU_CHECK_OUT (default /tmp/gpu_check). The learning check (recipe2024
 # size1m on dmc_cartpole_balance to 40K frames against the official curve) is the second script,
-# benchmarks/gpu_learning_check.sh, of the same size.
+# benchmarks/gpu_learning_check.sh, of the same size. If a compiled row fails, --compile False is the
+# fallback for training.
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -52,45 +56,46 @@ if [ -z "${GPU_CHECK_PRINT_ONLY:-}" ]; then
 fi
 
 export MUJOCO_GL="${MUJOCO_GL:-egl}"
-run tests 150 env DREAMER_TEST_DEVICE=cuda python3 -m pytest -q tests/test_compile.py
-run train_vision 150 python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --device cuda \
-  --compile True --precision bf16 --envs 1 --steps 3000 --prefill 1000 --pretrain 10 --eval_every 100000 \
+run tests 150 env DREAMER_TEST_DEVICE=cuda DREAMER_TEST_BACKEND=inductor python3 -m pytest -q \
+  tests/test_compile.py tests/test_replay_device.py tests/test_whole_update.py
+run train_vision 120 python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --device cuda \
+  --compile update --precision bf16 --replay_device True --envs 1 --steps 3000 --prefill 1000 --pretrain 10 --eval_every 100000 \
   --eval_episode_num 1 --log_every 1000 --logdir "$out/train_vision_logdir"
 configs_of() {  # the presets behind a speed row's name
   case $1 in proprio_size1m) echo "dmc_proprio recipe2024 size1m" ;; *) echo "dmc_vision" ;; esac
 }
-for preset in proprio_size1m vision; do
-  for compile in False True; do
-    for precision in 32 bf16 16; do
-      cap=$([ "$compile" = True ] && echo 45 || echo 20)
-      # shellcheck disable=SC2046 - the presets are separate words
-      run "speed_${preset}_compile${compile}_fp${precision}" "$cap" python3 benchmarks/train_speed.py \
-        --configs $(configs_of "$preset") --task dmc_walker_walk --device cuda --compile "$compile" \
-        --precision "$precision" --updates 5 --warmup 2
-    done
+rows() {  # the speed matrix: preset compile precision
+  for compile in False True update; do
+    for precision in 32 bf16 16; do echo "proprio_size1m $compile $precision"; done
   done
-done
+  echo "vision False bf16"
+  echo "vision update bf16"
+}
+while read -r preset compile precision; do
+  cap=$(case $compile in update) echo 60 ;; True) echo 40 ;; *) echo 20 ;; esac)
+  # shellcheck disable=SC2046 - the presets are separate words
+  run "speed_${preset}_compile${compile}_fp${precision}" "$cap" python3 benchmarks/train_speed.py \
+    --configs $(configs_of "$preset") --task dmc_walker_walk --device cuda --compile "$compile" \
+    --precision "$precision" --updates 5 --warmup 2
+done < <(rows)
 if [ -n "${GPU_CHECK_PRINT_ONLY:-}" ]; then exit 0; fi
 
 echo
 echo "| step | result |"
 echo "|---|---|"
-echo "| tests/test_compile.py on cuda | ${status[tests]}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
+echo "| tests (compile, replay_device, whole update) on cuda | ${status[tests]}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
 fps=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(f\"{[r for r in rows if 'perf/fps' in r][-1]['perf/fps']:.1f}\")" \
   "$out/train_vision_logdir/metrics.jsonl" 2>/dev/null || echo "?")
-echo "| dmc_vision run (compile True, precision bf16, train ratio 512) | ${status[train_vision]}; last logged env frames/s: $fps |"
+echo "| dmc_vision run (compile update, precision bf16, replay on the GPU, train ratio 512) | ${status[train_vision]}; last logged env frames/s: $fps |"
 echo
-echo "| preset | compile | precision | s/update | updates/s | peak memory | status |"
-echo "|---|---|---|---|---|---|---|"
-for preset in proprio_size1m vision; do
-  for compile in False True; do
-    for precision in 32 bf16 16; do
-      name="speed_${preset}_compile${compile}_fp${precision}"
-      file="$out/$name.txt"
-      seconds=$(grep -Eo 'seconds per update: [0-9.]+' "$file" 2>/dev/null | grep -Eo '[0-9.]+$' || echo "-")
-      rate=$(grep -Eo '^updates_per_s=[0-9.]+' "$file" 2>/dev/null | cut -d= -f2 || echo "-")
-      memory=$(grep -Eo 'peak memory: [0-9]+ MB' "$file" 2>/dev/null | grep -Eo '[0-9]+ MB' || echo "-")
-      echo "| $preset | $compile | $precision | $seconds | $rate | $memory | ${status[$name]} |"
-    done
-  done
-done
+echo "| preset | compile | precision | s/update | updates/s | kernel launches/update | peak memory | status |"
+echo "|---|---|---|---|---|---|---|---|"
+while read -r preset compile precision; do
+  name="speed_${preset}_compile${compile}_fp${precision}"
+  file="$out/$name.txt"
+  seconds=$(grep -Eo 'seconds per update: [0-9.]+' "$file" 2>/dev/null | grep -Eo '[0-9.]+$' || echo "-")
+  rate=$(grep -Eo '^updates_per_s=[0-9.]+' "$file" 2>/dev/null | cut -d= -f2 || echo "-")
+  launches=$(grep -Eo 'kernel launches per update: [0-9]+' "$file" 2>/dev/null | grep -Eo '[0-9]+$' || echo "-")
+  memory=$(grep -Eo 'peak memory: [0-9]+ MB' "$file" 2>/dev/null | grep -Eo '[0-9]+ MB' || echo "-")
+  echo "| $preset | $compile | $precision | $seconds | $rate | $launches | $memory | ${status[$name]} |"
+done < <(rows)

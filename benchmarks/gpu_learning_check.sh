@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU learning check, at most ~8 minutes on one CUDA GPU: recipe2024 size1m on dmc_cartpole_balance
 # to 40K frames at the setting behind the official curve (train ratio 512, action repeat 2: about 10K
-# updates), compiled, bfloat16; then its train return per 10K frames beside the official curve
+# updates), the whole update compiled (--compile update), bfloat16; then its train return per 10K frames beside the official curve
 # (benchmarks/reference_curves.json: 316 at 10K frames, 227 at 20K, 486 at 40K; one seed is noisy).
 #
 #   bash benchmarks/gpu_learning_check.sh
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${GPU_CHECK_OUT:-/tmp/gpu_learning_check}"
 train=(python3 dreamer.py --configs dmc_proprio recipe2024 size1m --task dmc_cartpole_balance --device cuda
-       --compile True --precision bf16 --train_ratio 512 --action_repeat 2 --envs 1 --steps 4e4
+       --compile update --precision bf16 --train_ratio 512 --action_repeat 2 --envs 1 --steps 4e4
        --eval_episode_num 0 --log_every 2000 --logdir "$out/logdir")
 plot=(python3 benchmarks/plot.py "$out/logdir" --table --bin 10000 --output "$out/curve.png")
 if [ -n "${GPU_CHECK_PRINT_ONLY:-}" ]; then

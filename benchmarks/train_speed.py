@@ -12,7 +12,7 @@ buys). The last line printed is `updates_per_s=<number>`.
 
 --compare times several settings side by side in one process, interleaved over --rounds rounds
 of --updates updates each (so that a shared machine's load affects all alike): every --compile
-value of --compile_modes (False: eager, True: per-step compile) at every --precision of
+value of --compile_modes (False: eager, True: per-step compile, update: the whole update) at every --precision of
 --precisions. It prints one table row per setting: warm-up seconds (the first --warmup updates,
 compilation included), seconds per update (median over the rounds), speed relative to the first
 setting, and operator calls in one profiled update: aten operators (leaf calls, those that call no
@@ -101,6 +101,20 @@ def leaf_operator_calls(profiler):
         elif "cpp_fused" in event.name or "triton_" in event.name:
             kernels += 1
     return aten, kernels
+
+
+def kernel_launches(agent, batches, sync):
+    """Kernel and CUDA-graph launches from the host per update on CUDA (the runtime calls that
+    start work on the GPU, counted by torch.profiler over len(batches) updates): the number a
+    launch-bound update pays for; a captured CUDA graph is one launch."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for batch in batches:
+            agent.train_step(batch)
+        sync()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
+             "cudaMemcpyAsync", "cudaMemsetAsync")
+    return sum(event.name in names for event in profiler.events()) / len(batches)
 
 
 def compare(args, config, env, replay, length):
@@ -216,6 +230,8 @@ def main(argv=None):
     replayed = config.batch_size * config.batch_length / seconds
     print(f"seconds per update: {seconds:.3f}   replayed steps/s: {replayed:.0f}"
           f"   batch sampling: {sample_ms:.1f} ms   peak memory: {peak_memory_mb(config.device):.0f} MB")
+    if torch.device(config.device).type == "cuda":
+        print(f"kernel launches per update: {kernel_launches(agent, batches[:2], sync):.0f}")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             for batch in batches[:3]:

@@ -74,13 +74,18 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
                          env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.strip().splitlines()]
-    assert len(commands) == 14  # tests, a training run, 2 presets x 2 compile x 3 precisions
+    # tests, a training run, size1m x 3 compile modes x 3 precisions, vision x 2 compile modes
+    assert len(commands) == 13
+    speeds = [(words[words.index("--configs") + 1], words[words.index("--compile") + 1]) for words in commands
+              if "benchmarks/train_speed.py" in words]
+    assert {mode for configs, mode in speeds} == {"False", "True", "update"}
     speed_source = (ROOT / "benchmarks" / "train_speed.py").read_text()
     kinds = set()
     for words in commands:
         if "pytest" in words:
-            assert "DREAMER_TEST_DEVICE=cuda" in words and (ROOT / words[-1]).exists()
-            assert 'os.environ.get("DREAMER_TEST_DEVICE"' in (ROOT / words[-1]).read_text()
+            files = [word for word in words if word.startswith("tests/")]
+            assert "DREAMER_TEST_DEVICE=cuda" in words and files and all((ROOT / f).exists() for f in files)
+            assert all('os.environ.get("DREAMER_TEST_DEVICE"' in (ROOT / f).read_text() for f in files)
             kinds.add("tests")
             continue
         assert words[0] == "python3" and (ROOT / words[1]).exists()
@@ -95,7 +100,8 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
             assert words[1] == "dreamer.py"
             kinds.add("train")
         config = dreamer.parse(args)
-        assert config.device == "cuda" and config.compile in (True, False) and config.precision in (16, 32, "bf16")
+        assert config.device == "cuda" and config.compile in (True, False, "update")
+        assert config.precision in (16, 32, "bf16")
     assert kinds == {"tests", "train", "speed"}
 
 
@@ -115,7 +121,7 @@ def test_gpu_learning_check_trains_at_the_reference_setting_and_plots_against_it
     # The reference curve's setting: recipe2024 size1m, train ratio 512, action repeat 2, 40K frames.
     assert (config.task, config.train_ratio, config.action_repeat, config.steps) == ("dmc_cartpole_balance", 512,
                                                                                       2, 40000)
-    assert (config.dyn_deter, config.update, config.device, config.compile) == (512, "joint", "cuda", True)
+    assert (config.dyn_deter, config.update, config.device, config.compile) == (512, "joint", "cuda", "update")
     assert tools.total_updates(config) > 9000  # about 10K updates
     assert plot[:2] == ["python3", "benchmarks/plot.py"] and "--table" in plot
 

@@ -292,7 +292,7 @@ def test_every_network_a_preset_builds_is_compiled(flags):
         if kind.__module__ not in ours:
             continue
         if isinstance(module, networks.COMPILED + exploration.COMPILED):
-            if name.endswith(".critic.mlp"):  # stated in Dreamer.compile_steps
+            if name.endswith(".critic.mlp"):  # stated in models.compile_steps
                 assert not isinstance(module.forward, networks.Compiled), name
             else:
                 assert isinstance(module.forward, networks.Compiled), name

@@ -398,7 +398,7 @@ def test_compile_auto_compiles_on_cuda_and_not_for_a_short_cpu_run_and_explicit_
     note = dreamer.compile_note(config, agent.resolved["compile"])
     assert note.startswith("off (auto: on a CPU: ") and "less than the ~370 s warm-up" in note, note
     cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1], spaces[0])
-    assert "compile" in resolved and cuda.compile is True
+    assert "compile" in resolved and cuda.compile == "update"
     explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1], spaces[0])
     assert "compile" not in resolved and explicit.compile is True
     assert make_config("--compile", "false").compile is False
@@ -482,7 +482,7 @@ def test_lr_eps_and_grad_clip_set_each_optimizer_and_only_it(spaces, name):
 @pytest.mark.parametrize("opt", ["adam", "adamw"])
 def test_opt_and_weight_decay_choose_coupled_or_decoupled_decay(spaces, opt):
     agent, _ = make_agent(spaces, "--opt", opt, "--weight_decay", "0.2", "--model_lr", "0.1")
-    cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
+    cls = models.AdamW if opt == "adamw" else models.Adam
     optimizers = [agent.wm.optimizer, agent.task_behavior.actor_opt, agent.task_behavior.critic_opt]
     assert all(type(o.opt) is cls for o in optimizers)
     assert agent.wm.optimizer.opt.param_groups[0]["weight_decay"] == 0.2

@@ -252,10 +252,12 @@ def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_
     assert "Compile: off (auto: on a CPU: 4 updates x ~" in out
     assert "less than the ~370 s warm-up; --compile True compiles)" in out
     assert "compile warm-up" not in out
-    monkeypatch.setattr(dreamer.Dreamer, "compile_steps", lambda self: ["stub"])
+    import models
+
+    monkeypatch.setitem(models.COMPILERS, True, lambda agent, bodies: ["stub"])
     dreamer.main([*common, "--compile", "True", "--logdir", str(tmp_path / "explicit")])
     out = capsys.readouterr().out
-    assert "Compile: on (on a CPU measured 1.1-1.6x faster per update after a warm-up" in out
+    assert "Compile: on, step by step (on a CPU measured 1.1-1.6x faster per update after a warm-up" in out
     for name in ("first update", "first policy step"):
         assert f"compile warm-up ({name}): 0/1 calls" in out
         assert out.count(f"compile warm-up ({name}): done, 1 calls in") == 1

@@ -1,0 +1,304 @@
+"""compile 'update': the whole update as a few whole graphs, and what it rests on.
+
+- the optimizers (Adam, AdamW against torch.optim's; LaProp is checked in test_recipe2024);
+- one backward pass serves the actor and the critic without either loss reaching the other's
+  weights (ActorCritic.loss, models.optimize);
+- the compiled update equals the eager one (losses, gradients, parameters after 3 updates) for v1
+  and the 2024 recipe in both update modes, with Plan2Explore and the replay context; with zero
+  graph breaks and no value read back to the host inside an update;
+- a region that cannot be one graph is an error naming it, never an eager fallback; torchrun is
+  refused; `compile auto` on CUDA is 'update'.
+
+On the CPU the compiled regions use the aot_eager backend: dynamo captures every region as one
+graph (fullgraph) and AOTAutograd derives its backward graph, as with Inductor, but the graphs run
+as ATen operators instead of generated C++ (which takes minutes per agent on this 2-core machine).
+benchmarks/train_speed.py runs the Inductor path, and benchmarks/gpu_check.sh runs this file with
+DREAMER_TEST_DEVICE=cuda and DREAMER_TEST_BACKEND=inductor, with CUDA graphs.
+"""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import dreamer
+import envs
+import models
+import tools
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
+BACKEND = os.environ.get("DREAMER_TEST_BACKEND", "aot_eager")
+# The debug preset with short unrolls, so that the graphs of 6 observe and 3 imagination steps
+# compile in seconds.
+SHORT = ("--configs", "debug", "--device", DEVICE, "--batch_length", "6", "--imag_horizon", "3")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt, reference, decay", [("adam", torch.optim.Adam, 0.0), ("adam", torch.optim.Adam, 0.1),
+                                                   ("adamw", torch.optim.AdamW, 0.1)])
+def test_adam_and_adamw_step_as_torch_optim_does(opt, reference, decay):
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(5))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizer = models.Optimizer("x", ours, lr=1e-2, eps=1e-8, clip=0, weight_decay=decay, opt=opt)
+    torch_optimizer = reference(theirs, lr=1e-2, eps=1e-8, weight_decay=decay)
+    for step in range(5):
+        coeffs = [torch.randn(p.shape, generator=gen(step), dtype=p.dtype) for p in ours]
+        optimizer(sum((c * p ** 2).sum() for c, p in zip(coeffs, ours)))
+        torch_optimizer.zero_grad()
+        sum((c * p ** 2).sum() for c, p in zip(coeffs, theirs)).backward()
+        torch_optimizer.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    assert optimizer.updates == 5
+
+
+def test_a_torch_adam_checkpoint_loads_and_keeps_stepping():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    torch_optimizer = torch.optim.Adam(params, lr=0.1)
+    params[0].grad = torch.ones(3)
+    torch_optimizer.step()
+    optimizer = models.Optimizer("x", params, lr=0.1, eps=1e-8, clip=0)
+    optimizer.load_state_dict({"opt": torch_optimizer.state_dict(), "scaler": optimizer.scaler.state_dict()})
+    optimizer(params[0].sum())
+    assert optimizer.updates == 2  # the count went on from torch's step count
+    # The second step took Adam's t = 2 bias corrections: the moments of a constant gradient are
+    # exact, so each step moves every weight by lr.
+    torch.testing.assert_close(params[0].detach(), torch.full((3,), 0.8))
+
+
+# ----------------------------------------------------------------------------------------------
+# One backward pass for the actor and the critic
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gradient", ["dynamics", "reinforce"])
+def test_the_actor_and_critic_losses_reach_only_their_own_weights(spaces, gradient):
+    config = dreamer.parse([*SHORT, "--compile", "False", "--imag_gradient", gradient])
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(*spaces, config)
+    behavior = agent.task_behavior
+    with torch.no_grad():  # the critic starts at zero, which would hide a gradient through its values
+        behavior.critic.out.weight.copy_(0.1 * torch.randn(behavior.critic.out.weight.shape, generator=gen(1)))
+    start = agent.wm.rssm.initial(8)
+    start = {k: v + 0.1 * torch.randn(v.shape, generator=gen(2)) for k, v in start.items()}
+    with models.frozen(agent.wm):
+        actor_loss, critic_loss, _ = behavior.loss(start, torch.ones(8))
+    actor, critic = list(behavior.actor.parameters()), list(behavior.critic.parameters())
+    into_critic = torch.autograd.grad(actor_loss, critic, retain_graph=True, allow_unused=True)
+    into_actor = torch.autograd.grad(critic_loss, actor, retain_graph=True, allow_unused=True)
+    assert all(g is None or not g.any() for g in into_critic + into_actor)
+    own = torch.autograd.grad(actor_loss, actor, retain_graph=True) + torch.autograd.grad(critic_loss, critic)
+    assert all(g.abs().sum() > 0 for g in own[:1] + own[-2:-1])  # each loss does train its own network
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled update equals the eager one
+# ----------------------------------------------------------------------------------------------
+
+# v1 with its sequential update and Plan2Explore; v1 in the joint update; the 2024 recipe (joint,
+# replay context 1); the 2024 recipe in the sequential update.
+CASES = {
+    "v1-sequential-plan2explore": ("--expl_behavior", "plan2explore", "--imag_gradient", "dynamics"),
+    "v1-joint": ("--update", "joint", "--imag_gradient", "reinforce"),
+    "recipe2024-joint": ("--configs", "recipe2024", "debug"),
+    "recipe2024-sequential": ("--configs", "recipe2024", "debug", "--update", "sequential"),
+}
+UPDATES = 3
+
+
+def batches(env, config, count):
+    """`count` replayed batches (B, K + T, ...) of one random episode stream, with zero latents for
+    the replay context."""
+    replay = tools.Replay(1000, 1, seed=0)
+    obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
+    rng = np.random.default_rng(0)
+    context = models.ReplayContext(config)
+    for _ in range(60):
+        replay.add({**obs, "action": action, "reward": np.float32(rng.normal()), **{
+            k: v[0] for k, v in context.entries(None, 1).items()}})
+        action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
+        obs, _, done, _ = env.step(action)
+        if done:
+            obs = env.reset()
+    length = config.batch_length + config.replay_context
+    return [replay.sample(config.batch_size, length) for _ in range(count)]
+
+
+def run_updates(agent, batches):
+    """Each update's metrics (floats), then the gradients and parameters after the last."""
+    metrics = []
+    for batch in batches:
+        torch.manual_seed(len(metrics))  # both agents draw the same latents and actions
+        values = agent.train_step(copy.deepcopy(batch))
+        metrics.append({k: float(v) for k, v in values.items()})
+    grads = {name: p.grad.clone() for name, p in agent.named_parameters() if p.grad is not None}
+    params = {name: p.detach().clone() for name, p in agent.named_parameters()}
+    return metrics, grads, params
+
+
+@pytest.fixture(scope="module")
+def backend():
+    """Compile the regions with BACKEND, counting dynamo's graph breaks and graphs from here on."""
+    original = models.Region.__init__
+
+    def init(self, fn, name, cuda_graphs):
+        original(self, fn, name, cuda_graphs)
+        if BACKEND != "inductor":
+            self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+
+    models.Region.__init__ = init
+    torch._inductor.config.fallback_random = True  # Inductor draws eager's random numbers (on CUDA)
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    models.Region.__init__ = original
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def compared(request, backend):
+    flags = CASES[request.param]
+    configs = [dreamer.parse([*SHORT, *flags, "--compile", mode]) for mode in ("False", "update")]
+    env = envs.make_env(configs[0], "train", 0)
+    data = batches(env, configs[0], UPDATES)
+    torch.manual_seed(0)
+    eager = dreamer.Dreamer(env.obs_space, env.act_space, configs[0]).to(DEVICE)
+    torch.manual_seed(0)
+    compiled = dreamer.Dreamer(env.obs_space, env.act_space, configs[1]).to(DEVICE)
+    with torch.no_grad():  # heads that start at zero would hide errors in the gradients through them
+        for layer in (eager.wm.heads["reward"].out, eager.task_behavior.critic.out):
+            layer.weight.copy_(0.1 * torch.randn(layer.weight.shape, generator=gen(3)))
+    compiled.load_state_dict(eager.state_dict())
+    breaks = sum(backend["graph_break"].values())
+    results = run_updates(eager, data), run_updates(compiled, data)
+    return request.param, compiled, results, sum(backend["graph_break"].values()) - breaks
+
+
+def test_the_compiled_update_equals_the_eager_update(compared):
+    case, compiled, (eager, ours), _ = compared
+    (eager_metrics, eager_grads, eager_params), (metrics, grads, params) = eager, ours
+    for step, (want, got) in enumerate(zip(eager_metrics, metrics)):
+        assert set(got) == set(want), case
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (case, step, key)
+    assert set(grads) == set(eager_grads) and len(grads) > 10, case
+    for name in eager_grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=named(name))
+    for name in eager_params:
+        torch.testing.assert_close(params[name], eager_params[name], rtol=1e-4, atol=1e-6, msg=named(name))
+
+
+def named(name):
+    return lambda message: f"{name}: {message}"
+
+
+def test_every_region_ran_compiled_with_no_graph_break(compared):
+    case, compiled, _, breaks = compared
+    assert breaks == 0, case
+    names = {region.name for region in compiled.compiled}
+    expected = {"WorldModel.loss", "ActorCritic.loss", "JointUpdate.loss", "Plan2Explore.ensemble_loss"}
+    assert names >= {"Dreamer.act", "ActorCritic.update_slow_critic"} and names & expected, case
+    assert all(region.calls >= 1 for region in compiled.compiled if region.name != "Dreamer.act"), case
+    # The optimizers that step are regions: each network's own in the sequential update, the one
+    # joint optimizer otherwise; Plan2Explore's ensemble, actor and critic in both.
+    used = 3 if compiled.config.update == "sequential" else 1
+    used += 3 if compiled.expl_behavior is not None else 0
+    steps = [region for region in compiled.compiled if region.name.endswith(".step")]
+    assert len(steps) == used, case
+    assert {id(region) for region in steps} == {id(opt.opt.step) for opt in optimizers(compiled)
+                                               if isinstance(opt.opt.step, models.Region)}
+
+
+def optimizers(agent):
+    found = [value for module in agent.modules() for value in vars(module).values()
+             if isinstance(value, models.Optimizer)]
+    return found + ([agent.updater.optimizer] if agent.updater.optimizer is not None else [])
+
+
+class HostReads:
+    """Counts the Tensor methods that read a value back to the host (on CUDA: a synchronisation)."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _name=name, _original=original, **kwargs):
+                self.calls.append(_name)
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_no_value_is_read_back_to_the_host_inside_an_update(compared, monkeypatch):
+    case, compiled, _, _ = compared
+    env = envs.make_env(compiled.config, "train", 0)
+    batch = {k: torch.as_tensor(np.asarray(v), device=DEVICE) for k, v in batches(env, compiled.config, 1)[0].items()}
+    data = compiled.wm.preprocess(batch)
+    reads = HostReads(monkeypatch)
+    torch.tensor(1.0).item()  # the counter sees a read
+    assert reads.calls == ["item"]
+    reads.calls.clear()
+    compiled.train_step(batch, data)
+    if compiled.context.steps:  # the only reads: the stored latents for the write-back (ReplayContext.store)
+        assert reads.calls and set(reads.calls) <= {"cpu", "numpy"}, (case, reads.calls)
+    else:
+        assert reads.calls == [], case
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors, refusals and the auto choice
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
+    def reads_a_value(x):
+        return x * 2 if x.sum().item() > 0 else x
+
+    region = models.Region(reads_a_value, "Example.loss", cuda_graphs=False)
+    with pytest.raises(models.CompileError, match=r"Example\.loss cannot be compiled as one graph.*--compile True"):
+        region(torch.ones(3))
+    assert region.calls == 0
+
+
+def test_compile_update_is_refused_under_torchrun(spaces):
+    config = dreamer.parse([*SHORT, "--compile", "update"])
+    agent = dreamer.Dreamer(*spaces, config)
+
+    class TwoRanks(tools.SingleProcess):
+        world_size = 2
+
+    with pytest.raises(tools.ConfigError, match="--compile update does not run under torchrun.*--compile True"):
+        agent.distribute(TwoRanks())
+
+
+def test_compile_auto_is_the_whole_update_on_cuda_and_per_step_under_torchrun(monkeypatch):
+    config = dreamer.parse(["--configs", "debug", "--device", "cuda"])
+    decision, reason = models.compile_choice(config, counts=None)
+    assert decision == "update" and "CUDA graphs" in reason
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert models.compile_choice(config, counts=None)[0] is True
+
+
+def test_compile_update_parses_and_the_summary_names_it():
+    config = dreamer.parse(["--configs", "debug", "--compile", "update"])
+    assert config.compile == "update"
+    assert dreamer.compile_note(config).startswith("on, the whole update (on a CPU it compiles for many minutes")
+    cuda = dreamer.parse(["--configs", "debug", "--compile", "update", "--device", "cuda"])
+    assert dreamer.compile_note(cuda).startswith("on, the whole update as CUDA graphs (the first updates")
+    with pytest.raises(tools.ConfigError, match="update"):  # the error lists the valid values
+        dreamer.parse(["--configs", "debug", "--compile", "whole"])
