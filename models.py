@@ -1023,6 +1023,9 @@ CHOICES = {
 #     FLOPs), for 80 s more warm-up.
 # The saved time per estimated FLOP is the smaller (1.03 / 5.0e11 = 2.1e-12 s; size1m's is 1.1e-11)
 # and the warm-up the larger (~370 s), so that the rule errs towards eager, which costs no warm-up.
+# compile 'update' (the whole update) is not chosen on a CPU: at recipe2024 size1m, 16x64, it saved more
+# (eager 1.71 s, compiled 0.96 s) for a warm-up of 1,399 s, and nothing at other sizes was measured to
+# scale the rule by; a long CPU run can ask for it.
 # Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
 # underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
 COMPILE_SAVED_S_PER_FLOP = 2.1e-12

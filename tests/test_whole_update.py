@@ -226,6 +226,40 @@ def optimizers(agent):
     return found + ([agent.updater.optimizer] if agent.updater.optimizer is not None else [])
 
 
+def test_the_compiled_policy_acts_as_the_eager_one(compared):
+    case, compiled, _, _ = compared
+    obs_space, act_space = spaces_of(compiled)
+    eager = dreamer.Dreamer(obs_space, act_space, compiled.config.replace(compile=False)).to(DEVICE)
+    eager.load_state_dict(compiled.state_dict())
+    obs = {k: np.stack([space.sample() for _ in range(3)]) for k, space in obs_space.items()}  # 3 environments
+    for mode in ("train", "eval"):
+        actions = []
+        for agent in (eager, compiled):
+            torch.manual_seed(5)
+            action, state = agent.policy(obs, None, mode)
+            action, _ = agent.policy(obs, state, mode)  # from a latent, not the initial state
+            actions.append(action)
+        np.testing.assert_allclose(actions[1], actions[0], rtol=1e-4, atol=1e-5, err_msg=f"{case} {mode}")
+    assert compiled.act.calls == 4, case
+
+
+def spaces_of(agent):
+    env = envs.make_env(agent.config, "train", 0)
+    return env.obs_space, env.act_space
+
+
+def test_a_run_trains_saves_and_resumes_with_the_whole_update_compiled(backend, tmp_path, capsys):
+    logdir = tmp_path / "run"
+    flags = ["--configs", "debug", "recipe2024", *SHORT[2:], "--compile", "update", "--eval_episode_num", "1",
+             "--logdir", str(logdir)]
+    dreamer.main([*flags, "--steps", "60"])
+    out = capsys.readouterr().out
+    assert "Compile: on, the whole update" in out and "compile warm-up (first update)" in out
+    dreamer.main([*flags, "--steps", "80"])  # resumed: the optimizers' loaded state recompiles their steps once
+    rows = [line for line in (logdir / "metrics.jsonl").read_text().splitlines() if "world_model/model_loss" in line]
+    assert len(rows) >= 2 and "Run: resumed from frame 60" in capsys.readouterr().out
+
+
 class HostReads:
     """Counts the Tensor methods that read a value back to the host (on CUDA: a synchronisation)."""
 
@@ -252,11 +286,10 @@ def test_no_value_is_read_back_to_the_host_inside_an_update(compared, monkeypatc
     torch.tensor(1.0).item()  # the counter sees a read
     assert reads.calls == ["item"]
     reads.calls.clear()
+    # A batch of tensors, as a replay on the device gives it: the replay context's latents for the
+    # write-back stay tensors too (a host replay's batch takes them back as numpy arrays).
     compiled.train_step(batch, data)
-    if compiled.context.steps:  # the only reads: the stored latents for the write-back (ReplayContext.store)
-        assert reads.calls and set(reads.calls) <= {"cpu", "numpy"}, (case, reads.calls)
-    else:
-        assert reads.calls == [], case
+    assert reads.calls == [], case
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +330,7 @@ def test_compile_auto_is_the_whole_update_on_cuda_and_per_step_under_torchrun(mo
 def test_compile_update_parses_and_the_summary_names_it():
     config = dreamer.parse(["--configs", "debug", "--compile", "update"])
     assert config.compile == "update"
-    assert dreamer.compile_note(config).startswith("on, the whole update (on a CPU it compiles for many minutes")
+    assert dreamer.compile_note(config).startswith("on, the whole update (on a CPU measured 1.79x faster")
     cuda = dreamer.parse(["--configs", "debug", "--compile", "update", "--device", "cuda"])
     assert dreamer.compile_note(cuda).startswith("on, the whole update as CUDA graphs (the first updates")
     with pytest.raises(tools.ConfigError, match="update"):  # the error lists the valid values
