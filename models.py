@@ -554,7 +554,8 @@ class JointUpdate:
     replay value loss is computed on the posterior features with their graph, so that it trains
     the representation too. It uses the world model's optimizer settings (opt, model_lr,
     opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
-    gradient through the critic's values would leak into the critic's weights in a joint step.
+    gradient would flow through the imagined states into the world model's weights, which this
+    step trains (the sequential update freezes them for the actor's loss).
     """
 
     def __init__(self, config, world_model, behavior):
@@ -697,6 +698,9 @@ class ClippedOptimizer(torch.optim.Optimizer):
         self.updates = torch.zeros((), dtype=torch.int64)  # moved to the parameters' device by init_state
         self.grad_norm = torch.zeros(())
         self.ready = False  # whether init_state ran since construction or loading
+
+    def __getstate__(self):  # torch.optim.Optimizer's keeps only its own attributes: a copy would lose these
+        return dict(self.__dict__)
 
     def load_state_dict(self, state_dict):
         """Also a torch.optim.Adam state: its per-parameter step counts give the count."""

@@ -18,6 +18,7 @@ DREAMER_TEST_DEVICE=cuda and DREAMER_TEST_BACKEND=inductor, with CUDA graphs.
 
 import copy
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -77,6 +78,14 @@ def test_a_torch_adam_checkpoint_loads_and_keeps_stepping():
     # The second step took Adam's t = 2 bias corrections: the moments of a constant gradient are
     # exact, so each step moves every weight by lr.
     torch.testing.assert_close(params[0].detach(), torch.full((3,), 0.8))
+
+
+def test_a_copied_optimizer_keeps_its_clipping_warmup_and_count():
+    params = [torch.nn.Parameter(torch.ones(2))]
+    optimizer = models.Optimizer("x", params, lr=0.1, eps=1e-8, clip=1.0, opt="laprop", agc=0.3, warmup=3)
+    optimizer((params[0] * 2).sum())
+    for copied in (copy.deepcopy(optimizer).opt, pickle.loads(pickle.dumps(optimizer.opt))):
+        assert (copied.clip, copied.agc, copied.warmup, int(copied.updates)) == (1.0, 0.3, 3, 1)
 
 
 # ----------------------------------------------------------------------------------------------
