@@ -925,7 +925,9 @@ class Region:
     (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
     are cloned for the caller (metrics are kept until the log interval)."""
 
-    FAILURES = torch._dynamo.exc.TorchDynamoException  # a graph break, a compiler failure, a trace error
+    # A graph break, a compiler failure, a trace error, or more variants than the recompile limit
+    # (which dynamo would otherwise run eagerly from then on).
+    FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
     def __init__(self, fn, name, cuda_graphs):
         self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
@@ -985,6 +987,7 @@ def compile_update(agent, bodies=None):
     # An update's regions run each with one set of shapes; a few variants (the policy's batch of
     # training and evaluation environments, with and without gradients) stay within the limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
     regions = []
     for owner, method in agent.regions():
         name = f"{type(owner).__name__}.{method}"

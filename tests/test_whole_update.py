@@ -316,6 +316,15 @@ def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
     assert region.calls == 0
 
 
+def test_a_region_past_the_recompile_limit_is_an_error_not_an_eager_fallback():
+    region = models.Region(lambda x: x * 2, "Example.step", cuda_graphs=False)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        region(torch.ones(3))
+        with pytest.raises(models.CompileError, match=r"Example\.step cannot be compiled as one graph"):
+            region(torch.ones(4))  # another shape: a second variant
+    assert region.calls == 1
+
+
 def test_compile_update_is_refused_under_torchrun(spaces):
     config = dreamer.parse([*SHORT, "--compile", "update"])
     agent = dreamer.Dreamer(*spaces, config)
