@@ -533,9 +533,12 @@ class Stream:
         return min(self.count, self.capacity)
 
     def empty(self, shape, dtype):
+        """An array to hold steps: dtype a numpy dtype (the first step's) or, when a tensor grows, a torch one."""
         if self.device is None:
             return np.empty(shape, dtype)
-        return torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, device=self.device)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def add(self, step):
         """Append one step; returns its index among all steps ever written (its id in this stream)."""

@@ -51,6 +51,15 @@ def test_a_replay_on_the_device_samples_the_host_replays_batches():
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+def test_a_replay_on_the_device_grows_past_its_first_allocation():
+    host, device = filled(None, steps=1500, streams=1, capacity=3000), filled(DEVICE, steps=1500, streams=1,
+                                                                               capacity=3000)
+    assert len(device) == 1500 and device.streams[0].data["image"].shape[0] == 2048  # grown from 1024
+    want, got = host.sample(4, 10), as_numpy(device.sample(4, 10))
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 def test_the_write_back_reaches_a_replay_on_the_device():
     host, device = filled(None), filled(DEVICE)
     _, ids = host.sample(4, 8, ids=True)
