@@ -92,8 +92,8 @@ def run(argv):
 
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written. Returns the
-    config (its task spelled canonically, its device one that exists), the logdir, the reason the
-    device fell back to the CPU (or None) and the differences from the run's saved config."""
+    config (its task spelled canonically, its device one that can be used), the logdir, why --device
+    auto chose its device (or None) and the differences from the run's saved config."""
     config = parse(sys.argv[1:] if argv is None else argv)
     check_processes(config)
     tools.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
@@ -1149,7 +1149,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
         f"Task: {config.task}" + (" (training environments per task: "
                                   + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
                                   f"{agent.act_size}, the widest task's)" if per_task else ""),
-        f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
+        f"Device: {config.device}" + (f" ({device_note})" if device_note else ""),
         "Compile: " + compile_note(config, resolved.get("compile")),
         "Precision: " + models.precision_note(config),
         "Actor: " + actor_note(config, resolved),

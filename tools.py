@@ -1815,15 +1815,55 @@ def kept_random_state():
             torch.cuda.set_rng_state_all(states[3])
 
 
+# The NVIDIA driver each CUDA major version of a torch build needs (NVIDIA's CUDA release notes:
+# 13.x from R580, 12.x from R525 with minor-version compatibility).
+CUDA_DRIVERS = {"13": "R580", "12": "R525"}
+CUDA_FIX = ("install a torch built for an older CUDA (README, Install: e.g. --index-url "
+            "https://download.pytorch.org/whl/cu126) or update the driver, or run with --device cpu")
+
+
+def cuda_problem(device):
+    """Why `device` (a torch.device of type cuda) cannot be used here, in torch's own words with
+    the fix; None when it can."""
+    built = torch.version.cuda
+    if built is None:
+        return (f"this torch ({torch.__version__}) is a CPU build, without CUDA; install a CUDA one "
+                "(README, Install: python3 -m pip install --force-reinstall torch==2.13.0) or run with --device cpu")
+    driver = CUDA_DRIVERS.get(built.split(".")[0], f"for CUDA {built}")
+    needs = f"torch {torch.__version__} is built for CUDA {built} (NVIDIA driver {driver} or newer)"
+    try:
+        torch.cuda.init()  # raises with torch's reason: no driver, a driver too old, no GPU
+    except (RuntimeError, AssertionError) as e:
+        reason = " ".join(str(e).split()).split(". ")[0].rstrip(".") or type(e).__name__
+        return f"{reason}; {needs}; {CUDA_FIX}"
+    count = torch.cuda.device_count()
+    if not count:
+        return f"no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); {needs}"
+    if device.index is not None and device.index >= count:
+        return f"there is no GPU {device.index}: this machine has {count} (cuda:0 to cuda:{count - 1})"
+    return None
+
+
 def resolve_device(config):
-    """Fall back to the CPU where CUDA is absent. Returns the config (a new one when it falls back)
-    and the reason, for the start-up summary (None when the device is there)."""
+    """Settle --device: `auto` is cuda:0 where CUDA can be used and the CPU otherwise; an explicit
+    cuda that cannot be used is a ConfigError naming torch's reason and the fix (a run meant for a
+    GPU never runs on the CPU unasked). Returns the config and, for `auto`, the reason for its
+    choice (the start-up summary prints it); None for an explicit device."""
+    if config.device == "auto":
+        problem = cuda_problem(torch.device("cuda", 0))
+        if problem is None:
+            return config.replace(device="cuda:0"), f"auto: CUDA is usable ({torch.cuda.get_device_name(0)})"
+        return config.replace(device="cpu"), f"auto: no usable GPU, so the CPU: {problem.split('; ')[0]}"
     try:
         device = torch.device(config.device)
     except RuntimeError:
-        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: cpu, cuda, cuda:<index>") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return config.replace(device="cpu"), "CUDA is not available"
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: auto, cpu, cuda, "
+                          "cuda:<index>") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: auto, cpu, cuda, cuda:<index>")
+    problem = cuda_problem(device) if device.type == "cuda" else None
+    if problem is not None:
+        raise ConfigError(f"--device {config.device} cannot be used: {problem}")
     return config, None
 
 
