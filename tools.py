@@ -685,23 +685,32 @@ def select_keys(obs_space, cnn_pattern, mlp_pattern):
     return cnn, mlp
 
 
+def replay_steps(config):
+    """Steps the training replay will hold by the end of the run: one per policy step (steps /
+    action_repeat, each process its own under torchrun) up to its capacity, dataset_size."""
+    return min(config.dataset_size, -(-config.steps // config.action_repeat))
+
+
 def cost_lines(config, spec, free=None):
-    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps
-    (the device's with replay_device), the episode files' disk per million steps; a WARNING when the
-    replay cannot fit in the memory free now (`free`, bytes; by default available_memory())."""
+    """What the run will cost: its updates, the replay's memory once it holds what the run will
+    store (replay_steps; the device's with replay_device) and at capacity, the episode files' disk
+    per million steps; a WARNING when what the run will store cannot fit in the memory free now
+    (`free`, bytes; by default available_memory())."""
     step = step_bytes(spec)
-    replay = step * config.dataset_size
+    steps = replay_steps(config)
+    replay, capacity = step * steps, step * config.dataset_size
     device = config.device if config.replay_device else "cpu"
     free = available_memory(device) if free is None else free
     where = f"{torch.device(device).type.upper()} memory" if config.replay_device else "memory"
     gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
-    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} at "
-             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
-             "million steps on disk (compressed .npz, images usually less)"]
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} by "
+             f"the end ({steps:,} steps x {step:,} bytes; at its capacity of {config.dataset_size:,} steps "
+             f"{gb(capacity)}); episode files at most {gb(step * 1e6)} per million steps on disk (compressed .npz, "
+             "images usually less)"]
     if free is not None and replay > free:
         fix = "lower --dataset_size" + (", or --replay_device False" if config.replay_device else "")
-        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of {where} is free; the run "
-                     f"will run out of memory as the replay fills: {fix}")
+        lines.append(f"WARNING: the replay will hold {gb(replay)} by the end ({steps:,} steps) and {gb(free)} of "
+                     f"{where} is free; the run will run out of memory as the replay fills: {fix}")
     return lines
 
 

@@ -105,5 +105,5 @@ def test_the_cost_line_counts_the_replay_against_the_devices_memory():
     config = dreamer.parse(["--configs", "debug", "--replay_device", "True", "--dataset_size", "1000"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8))}
     lines = tools.cost_lines(config, spec, free=10)
-    assert "of CPU memory at capacity" in lines[0]
+    assert "of CPU memory by the end (300 steps" in lines[0]
     assert "WARNING" in lines[1] and "--replay_device False" in lines[1]
