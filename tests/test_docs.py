@@ -1,6 +1,8 @@
 """What a user reads before a run: --help from configs.yaml, the start-up summary's costs, the
 one-line environment status, `debug` on any task, and the README files' commands, flags and links."""
 
+import json
+import math
 import os
 import pathlib
 import re
@@ -148,6 +150,9 @@ def test_debug_runs_on_vector_and_image_tasks(tmp_path, task):
                      "--eval_episode_num", "0")
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "latest.pt").exists()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 60 and rows[-1]["perf/updates"] > 0  # it trained
+    assert any(math.isfinite(row.get("world_model/model_loss", math.nan)) for row in rows), rows[-1]
 
 
 def test_seed_out_of_range_is_one_line():
