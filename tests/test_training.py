@@ -231,12 +231,16 @@ def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
     still gets lines: the heartbeat prints the state every `every` seconds."""
 
     phase = tools.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
-    time.sleep(0.7)  # one long step
+    lines, deadline = [], time.monotonic() + 60  # one long step: until two heartbeats came (a loaded machine waits)
+    waiting = lambda: [line for line in lines  # noqa: E731
+                       if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
+    while len(waiting()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lines += capsys.readouterr().out.splitlines()
     phase.update(1)
     phase.close()
-    lines = capsys.readouterr().out.splitlines()
-    waiting = [line for line in lines if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
-    assert len(waiting) >= 2 and "ETA ?" in waiting[0], lines
+    lines += capsys.readouterr().out.splitlines()
+    assert len(waiting()) >= 2 and "ETA ?" in waiting()[0], lines
     assert lines[-1].startswith("compile warm-up (first update): done, 1 calls in")
 
 
