@@ -204,6 +204,17 @@ def dreamer_args(command):
     return args
 
 
+def test_ci_runs_the_readmes_install_and_whole_suite():
+    """.ci/run runs the README's install line and its Tests block's command, the whole suite (no -m)."""
+    readme = (ROOT / "README.md").read_text()
+    commands = fenced_commands(readme)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m")]
+    assert ci == ["python3 -m pip install -r requirements.txt", "python3 -m pytest -q"]
+    assert all(command in commands for command in ci)
+    tests = fenced_commands(readme.split("\n## Tests\n")[1].split("\n## ")[0])
+    assert tests == ["python3 -m pytest -q", 'python3 -m pytest -q -m "not slow"']
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_documented_dreamer_command_parses(doc):
     lines = fenced_commands(doc.read_text())
