@@ -14,6 +14,8 @@ import pytest
 
 import dreamer
 import envs
+import logs
+import storage
 import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -83,20 +85,20 @@ def test_total_updates_equal_a_hand_computation(preset, expected):
 def test_replay_memory_estimate_matches_a_filled_replay():
     config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
     env = envs.make_env(config, "train", 0)
-    spec = tools.episode_spec(env.obs_space, env.act_space)
-    replay = tools.Replay(config.dataset_size, 1)
+    spec = storage.episode_spec(env.obs_space, env.act_space)
+    replay = storage.Replay(config.dataset_size, 1)
     obs, rng = env.reset(), np.random.default_rng(0)
     for _ in range(config.dataset_size + 50):  # filled to capacity, and past it
         action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
-        replay.add(tools.strip_logs({**obs, "action": action, "reward": np.float32(0), "task": np.int32(0)}))
+        replay.add(storage.strip_logs({**obs, "action": action, "reward": np.float32(0), "task": np.int32(0)}))
         obs, _, done, _ = env.step(action)
         if done:
             obs = env.reset()
-    estimate = tools.step_bytes(spec) * config.dataset_size
+    estimate = storage.step_bytes(spec) * config.dataset_size
     assert replay.nbytes == pytest.approx(estimate, rel=0.1)
-    lines = tools.cost_lines(config, spec, free=10**12)
+    lines = storage.cost_lines(config, spec, free=10**12)
     assert len(lines) == 1 and lines[0].startswith("Cost: 48 updates to 600 frames; replay ")
-    step = tools.step_bytes(spec)  # 600 frames at action repeat 2: 300 of the 2,000 steps
+    step = storage.step_bytes(spec)  # 600 frames at action repeat 2: 300 of the 2,000 steps
     assert f"by the end (300 steps x {step:,} bytes; at its capacity of 2,000 steps " in lines[0]
 
 
@@ -108,20 +110,20 @@ def test_replay_memory_estimate_matches_a_filled_replay():
 def test_the_cost_line_counts_what_the_run_will_store(preset, frames, stored):
     config = dreamer.parse(["--configs", preset, "--steps", str(frames)])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
-    step = tools.step_bytes(spec)
+    step = storage.step_bytes(spec)
     replay = stored * step
-    lines = tools.cost_lines(config, spec, free=replay + 1)  # room for what it stores: no warning
+    lines = storage.cost_lines(config, spec, free=replay + 1)  # room for what it stores: no warning
     assert len(lines) == 1, lines
     gb = f"{replay / 1e9:.3g} GB" if replay >= 1e9 else f"{replay / 1e6:.3g} MB"
     assert f"replay {gb} of memory by the end ({stored:,} steps x {step:,} bytes; at its capacity of " \
            f"1,000,000 steps {step * 1e6 / 1e9:.3g} GB)" in lines[0], lines[0]
-    assert tools.cost_lines(config, spec, free=replay - 1)[1].startswith(f"WARNING: the replay will hold {gb} ")
+    assert storage.cost_lines(config, spec, free=replay - 1)[1].startswith(f"WARNING: the replay will hold {gb} ")
 
 
 def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
     config = dreamer.parse(["--configs", "dmc_vision"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
-    lines = tools.cost_lines(config, spec, free=2 * 10**9)
+    lines = storage.cost_lines(config, spec, free=2 * 10**9)
     assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 6.16 GB of memory by the end "
                                "(500,000 steps x 12,312 bytes; at its capacity of 1,000,000 steps 12.3 GB)")
     assert lines[1].startswith("WARNING: the replay will hold 6.16 GB by the end (500,000 steps) and 2 GB of "
@@ -135,7 +137,7 @@ def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
 def test_status_of_many_environments_is_one_line():
     rows = [{"steps": 100 + i, "episodes": 1, "last_return": 0.0, "restarts": 2 if i == 5 else 0,
              "fps": 10.0 + i, "step_ms": 5.0 if i else float("nan")} for i in range(16)]
-    line = tools.env_status_line(rows)
+    line = logs.env_status_line(rows)
     assert "\n" not in line
     assert line == ("  envs 16 (min/median/max): steps 100/108/115 | episodes 16 | fps 10.0/17.5/25.0 | "
                     "step 5.0/5.0/5.0 ms | restarted: env 5 (2x)")
