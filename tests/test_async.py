@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,8 +186,8 @@ def test_async_run_logs_the_ratio_utilisation_waits_and_policy_lag(async_run):
     assert state["counters"]["policy_steps"] == state["schedules"]["train"]["inserts"] == 100
 
 
-def test_async_run_resumes_its_counters_and_limiter(async_run):
-    logdir, _ = async_run
+def test_async_run_resumes_its_counters_and_limiter(async_run, tmp_path):
+    logdir = shutil.copytree(async_run[0], tmp_path / "run")  # the module's run stays as it was for the other tests
     saved = torch.load(logdir / "latest.pt", weights_only=False)
     seen, train = {}, dreamer.Trainer.train
     gc.collect()  # the first run's logdir lock goes with its last reference (main's frame, in a cycle)

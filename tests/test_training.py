@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_debug_run_writes_metrics_episodes_and_checkpoint(run):
 
 
 def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
-    logdir, _ = run
+    logdir = shutil.copytree(run[0], tmp_path / "run")  # the module's run stays as it was for the other tests
     before = metrics(logdir)[-1]["step"]
     result = train(logdir, "--steps", "600")
     assert "resumed from frame 400" in result.stdout
@@ -98,8 +99,8 @@ def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
     assert state["counters"]["policy_steps"] * 2 == 600
 
 
-def test_eval_only_changes_nothing_but_its_own_outputs(run):
-    logdir, _ = run
+def test_eval_only_changes_nothing_but_its_own_outputs(run, tmp_path):
+    logdir = shutil.copytree(run[0], tmp_path / "run")
     before = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
     env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
     command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--eval_only",
