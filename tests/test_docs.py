@@ -82,6 +82,7 @@ def test_total_updates_equal_a_hand_computation(preset, expected):
     assert tools.total_updates(config) == expected
 
 
+@pytest.mark.slow  # steps the environment 2,050 times
 def test_replay_memory_estimate_matches_a_filled_replay():
     config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
     env = envs.make_env(config, "train", 0)

@@ -448,6 +448,7 @@ def test_a_write_that_fails_stops_with_one_line_keeps_the_checkpoint_and_the_rer
     assert status == 0 and f"resumed from frame {frame}" in out, err
 
 
+@pytest.mark.slow  # two in-process training runs
 def test_a_stop_in_the_prefill_saves_and_the_rerun_finishes_the_prefill_and_pretrains(tmp_path, capsys, monkeypatch):
     logdir, calls = tmp_path / "run", []
     collect = dreamer.Trainer.collect

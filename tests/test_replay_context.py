@@ -269,6 +269,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
 # -- a recipe2024 run with replay_context 1 trains, writes back and resumes -----------------------------------
 
 
+@pytest.mark.slow  # in-process training runs
 def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatch):
     samples, updates, batches = [], [], []
     sample, update, train_step = storage.Replay.sample, storage.Replay.update, dreamer.Dreamer.train_step

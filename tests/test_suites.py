@@ -202,6 +202,7 @@ def test_atari_resize_methods_and_task_names():
 # ==================================================================================================
 
 
+@pytest.mark.slow  # Crafter's world generation and rendering
 def test_crafter_spaces_contract_and_achievements():
     from envs import crafter
 
@@ -233,6 +234,7 @@ def test_crafter_spaces_contract_and_achievements():
             break
 
 
+@pytest.mark.slow  # Crafter's world generation and rendering
 def test_crafter_death_is_terminal_and_length_is_truncation():
     from envs.crafter import LENGTH, Crafter
 
@@ -295,6 +297,7 @@ def _inner_gym_env(env):
     return env
 
 
+@pytest.mark.slow  # builds and renders Memory Maze
 def test_memorymaze_spaces_contract_and_action_repeat(maze, monkeypatch):
     assert maze.act_space.discrete and maze.act_space.shape == (6,)
     assert maze.obs_space["image"].shape == (64, 64, 3)
@@ -311,6 +314,7 @@ def test_memorymaze_spaces_contract_and_action_repeat(maze, monkeypatch):
     assert calls == [1, 1] and isinstance(reward, np.float32) and not done
 
 
+@pytest.mark.slow  # builds and renders Memory Maze
 def test_memorymaze_episode_end_is_truncation(maze):
     from dm_control import composer
 

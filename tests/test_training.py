@@ -246,6 +246,7 @@ def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
     assert lines[-1].startswith("compile warm-up (first update): done, 1 calls in")
 
 
+@pytest.mark.slow  # in-process training runs
 def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys,
                                                                                          monkeypatch):
     """compile auto on a CPU runs a short run eagerly and says why; an explicit --compile True compiles, and the
