@@ -21,7 +21,7 @@ import torch
 STARTS_PROCESSES = {"subprocess", "Popen", "multiprocessing", "Parallel", "torchrun"}
 COMPILES = {"compile_update", "compile_steps", "Region", "Compiled"}
 TRAINS = {"main"}  # dreamer.main: a training run
-LIMIT = int(os.environ.get("DREAMER_TEST_LIMIT", "900"))  # seconds per test, its fixtures' set-up included
+LIMIT = int(os.environ.get("DREAMER_TEST_LIMIT", "1200"))  # seconds per test, its fixtures' set-up included
 
 
 def pytest_configure(config):
