@@ -1,7 +1,8 @@
 """Fixtures shared by several test files, the `slow` tier and the per-test time limit.
 
 The tiers: `python3 -m pytest -m "not slow"` is the quick check while changing code (about two
-minutes on a 2-core CPU); `python3 -m pytest -q` runs everything (README, Tests). A test is slow
+minutes of one core: 125 CPU seconds at one thread); `python3 -m pytest -q` runs everything
+(README, Tests; .ci/run). A test is slow
 when it starts processes, compiles (torch.compile, models.compile_update / compile_steps), or
 uses a module fixture that trains or starts processes: pytest_collection_modifyitems marks it by
 reading the code the test and its fixtures run (their own and the helpers of their module);
