@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import signal
 import sys
 import tempfile
@@ -56,13 +57,21 @@ def main(argv=None):
         name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
         print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(e, Interrupted) else 130)
-    except NonFiniteError as e:
+    except (NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except tools.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
         found = tools.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except parallel.WorkerError as e:  # env_failure stop: a worker died, stalled or its environment raised
+        if e.traceback:  # the environment's own error, a bug to read: its traceback, not this process's
+            print(f"Traceback in the worker process:\n{e.traceback.rstrip()}", file=sys.stderr)
+        found = tools.torchrun_rank()
+        where = f"rank {found[0]} of {found[1]}: " if found else ""
+        print(f"error: {where}{str(e).splitlines()[0]}; the last checkpoint is kept, rerun the same command to "
+              "resume", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
         found = tools.torchrun_rank()
@@ -95,6 +104,7 @@ def setup(argv):
     config (its task spelled canonically, its device one that exists), the logdir, the reason the
     device fell back to the CPU (or None) and the differences from the run's saved config."""
     config = parse(sys.argv[1:] if argv is None else argv)
+    check_text(config)
     check_processes(config)
     tools.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
     if not config.logdir:
@@ -111,6 +121,21 @@ def setup(argv):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     config, device_note = tools.resolve_device(config)
     return config, logdir, device_note, warnings_
+
+
+def check_text(config):
+    """Every text value must be UTF-8: config.yaml, the logs and TensorBoard's writer store them as
+    such (a folder name from bytes that are not UTF-8 reaches Python as lone surrogates)."""
+    for key, value in tools.flatten(config.to_dict()).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raw = os.fsencode(text)
+                raise tools.ConfigError(f"Invalid value {raw!r} for --{key}: not UTF-8 text; give a name in UTF-8 "
+                                        "(config.yaml, the logs and TensorBoard store it as such)") from None
 
 
 def check_processes(config):
@@ -166,8 +191,15 @@ def check_offline_traindir(config):
 
 
 def fail(message):
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {shorten_values(message)}", file=sys.stderr)
     sys.exit(2)
+
+
+def shorten_values(message, keep=60):
+    """A message with every quoted value longer than `keep` characters cut to its start and length:
+    a 100 KB --task is named, not echoed."""
+    return re.sub(r"(?<!\w)'([^']{%d,})'(?!\w)" % (keep + 20),
+                  lambda m: f"'{m.group(1)[:keep]}...' ({len(m.group(1)):,} characters)", message)
 
 
 def usage(topic=None):
@@ -227,6 +259,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             raise tools.ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         config, resolved = models.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
+        check_model_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (tools.ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
@@ -244,6 +277,12 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
+        if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
+            for line in trainer.notes:
+                print(line, flush=True)
+            print(f"Run finished: {config.logdir} completed {trainer.frames} frames of --steps {config.steps}; "
+                  "nothing to do (a larger --steps continues it)", flush=True)
+            return None
         spec = {**tools.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
                       resources.weights(), resolved, spec), flush=True)
@@ -260,6 +299,31 @@ def run_processes(config, logdir, device_note, changed, ranks):
     finally:
         for env in train_envs + eval_envs:
             env.close()
+
+
+def check_model_memory(config, obs_space, act_space):
+    """Refuse a model that cannot be allocated (--units 1e12), before it is: its parameters are counted
+    on the meta device, which allocates nothing, and their weights, gradients and two optimizer
+    moments (4 x 4 bytes each) must fit the memory free on the run's device."""
+    try:
+        with torch.device("meta"):
+            agent = Dreamer(obs_space, act_space, config.replace(compile=False))
+    except (NotImplementedError, RuntimeError):  # a part that cannot be built on meta: the real build will tell
+        return
+    params = sum(p.numel() for p in agent.parameters())
+    need, free = 16 * params, tools.available_memory(config.device)
+    if free is None or need <= free:
+        return
+    flat = tools.flatten(config.to_dict())
+    largest = sorted((key for key in MODEL_SIZE_KEYS if key in flat), key=lambda key: -flat[key])[:3]
+    raise tools.ConfigError(f"the model has {params:,} parameters, whose weights, gradients and optimizer moments "
+                            f"need {need / 1e9:,.3g} GB, and {free / 1e9:.3g} GB of {config.device} memory is free: "
+                            f"make it smaller (its largest sizes: {', '.join(f'--{k} {flat[k]}' for k in largest)})")
+
+
+# The keys that set the width of a network (for check_model_memory's message).
+MODEL_SIZE_KEYS = ("units", "dyn_hidden", "dyn_deter", "dyn_stoch", "dyn_discrete", "encoder.cnn_depth",
+                   "decoder.cnn_depth", "encoder.mlp_units", "decoder.mlp_units", "disag_units")
 
 
 # ==================================================================================================
@@ -395,6 +459,7 @@ class Counters:
         self.updates = 0
         self.episodes = 0
         self.stored_steps = 0  # policy steps in the training episode files when last saved
+        self.completed = False  # the run ended at its --steps (its last evaluation, log and save done)
 
 
 class StoredEpisodes:
@@ -478,6 +543,12 @@ class Trainer:
     def frames(self):
         return self.counters.policy_steps * self.config.action_repeat
 
+    @property
+    def done(self):
+        """A resumed run that completed its --steps already: a rerun has nothing to do (a larger --steps
+        continues it; `completed` from an earlier, smaller --steps then stays until the new end)."""
+        return self.resumed and self.counters.completed and self.frames >= self.config.steps
+
     @functools.cached_property
     def feed(self):
         """The learner's replay batches (tools.Prefetcher), made at the first update."""
@@ -515,8 +586,28 @@ class Trainer:
     def collect(self, policy):
         if self.collector is None:  # offline: time advances as if the agent were collecting
             self.counters.policy_steps += max(1, self.config.envs)
-        else:
+            return
+        try:
             self.counters.policy_steps += self.collector.step(policy)
+        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
+            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
+            raise
+
+    def raise_non_finite(self, error, where):
+        """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
+        that non-finite weights caused names their learners, a non-finite environment step says which
+        (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
+        agent = self.agent
+        learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
+        if agent.expl_behavior is not None:
+            learners["exploration"] = agent.expl_behavior
+        bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
+        kept = self.checkpoints.kept()
+        if bad:
+            raise NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
+                                 f"{self.counters.updates}); the run stops without saving ({kept})") from None
+        if isinstance(error, parallel.NonFiniteStep):
+            raise NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
 
     def policy(self, obs, state, agent=None):
         """The training policy of `agent` (the learner's by default): exploring until expl_until."""
@@ -541,7 +632,11 @@ class Trainer:
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
-            metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+            try:
+                metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+            except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
+                self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
+                raise
             context.write_back(self.feed, ids, batch)  # also into the batch sampled ahead
             self.counters.updates += 1
             if phase is not None:
@@ -560,6 +655,7 @@ class Trainer:
                     self.evaluate()
                 self.log()
                 self.loop.close()
+                self.counters.completed = True
                 self.save()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
@@ -1000,7 +1096,12 @@ class RunLog:
         config = trainer.config
         if not trainer.eval_envs:  # another rank than the main one: it waits at the save that follows
             return
-        episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num, trainer.evaldir)
+        try:
+            episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num,
+                                             trainer.evaldir)
+        except ValueError as e:  # as in Trainer.collect
+            trainer.raise_non_finite(e, f"in an evaluation at frame {trainer.frames}")
+            raise
         for episode in episodes:
             trainer.eval_replay.add_episode(tools.strip_logs(episode))
         returns = log_evaluation(self.logger, episodes, config)
@@ -1210,6 +1311,9 @@ COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parall
 _at_least = lambda low: (lambda v, flat: v >= low)  # noqa: E731
 _positive = lambda v, flat: v > 0  # noqa: E731
 _fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
+# Every optimizer is adaptive (models.OPTIMIZERS), so an update moves each weight by about the learning
+# rate: above 1 the weights overflow within a few updates.
+_learning_rate = lambda v, flat: 0 < v <= 1  # noqa: E731
 
 
 RANGES = {
@@ -1224,6 +1328,7 @@ RANGES = {
     "prefill": (_at_least(0), "a whole number >= 0"),
     "pretrain": (_at_least(0), "a whole number >= 0"),
     "eval_every": (_at_least(0), "a whole number >= 0"),
+    "env_timeout": (_positive, "a number > 0 (seconds)"),
     "save_every": (_at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
     "chunk_size": (lambda v, flat: isinstance(v, int) and v >= 0, "a whole number >= 0 (0 for whole episodes only)"),
     "eval_episode_num": (_at_least(0), "a whole number >= 0"),
@@ -1240,11 +1345,11 @@ RANGES = {
     "actor_sync_every": (_at_least(1), "a whole number >= 1"),
     "asynchronous": (lambda v, flat: not (v and flat.get("offline_traindir") and not flat.get("eval_only")),
                      "False with --offline_traindir (no environments for an actor to act in)"),
-    "model_lr": (_positive, "a number > 0"),
+    "model_lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "opt_eps": (_positive, "a number > 0"),
-    "actor.lr": (_positive, "a number > 0"),
+    "actor.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "actor.eps": (_positive, "a number > 0"),
-    "critic.lr": (_positive, "a number > 0"),
+    "critic.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "critic.eps": (_positive, "a number > 0"),
     "weight_decay": (_at_least(0), "a number >= 0"),
     "grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
@@ -1298,7 +1403,7 @@ RANGES = {
 
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-               "parallel", "env_failure", "compile", "replay_device", "video_pred_log", "asynchronous",
+               "parallel", "env_failure", "env_timeout", "compile", "replay_device", "video_pred_log", "asynchronous",
                "actor_sync_every", "ratio_tolerance", "save_every", "chunk_size", "logger", "wandb.project",
                "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
 

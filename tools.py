@@ -24,6 +24,7 @@ import difflib
 import errno
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -1278,8 +1279,9 @@ class Progress:
     def line(self, frames):
         """The plain progress line: frames, rates, last returns and ETA."""
         fps = self.stats.get("fps", 0.0)
-        eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
-        parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
+        eta = datetime.timedelta(seconds=int(max(self.total - frames, 0) / fps)) if fps > 0 else "?"
+        done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
+        parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
         return " | ".join(parts + [f"ETA {eta}"])
 
@@ -1957,11 +1959,18 @@ def parse_bool(text):
     return lookup[text.lower()]
 
 
+# The largest magnitude a float key may take: every value ends up in float32 arithmetic, where a
+# larger one is inf (and inf or NaN make no sense for any key).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def parse_number(text, like):
     try:
         value = float(text)
     except ValueError:
         raise ValueError("expected a number") from None
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"expected a finite number (at most {FLOAT32_MAX:.3g} in magnitude: float32 holds no more)")
     if isinstance(like, int) and value.is_integer() and "." not in text and "e-" not in text.lower():
         return int(value)
     return value
