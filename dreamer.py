@@ -474,6 +474,9 @@ class StoredEpisodes:
             self.traindir = self.traindir / f"rank{rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.skipped = 0
+        # What a kill -9 left in the folders this run writes (the main process alone writes evaldir).
+        own = ([] if config.offline_traindir else [self.traindir]) + ([self.evaldir] if not rank else [])
+        self.recovered = [f"WARNING: {line}" for line in map(tools.recover_episodes, own) if line]
         spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
         # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
         # is the evaluation replay's).
@@ -522,7 +525,7 @@ class Trainer:
         stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env is not None else {})
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
-        self.notes = [stored.note]  # lines for the start-up summary
+        self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
         self.checkpoints = Checkpoints(self, logdir / "latest.pt")
         self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
@@ -857,6 +860,8 @@ class Checkpoints:
     (gathered on the main process, which alone writes). Non-finite values are never saved.
     """
 
+    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")  # what save() writes and restore() reads
+
     def __init__(self, trainer, path):
         self.trainer, self.path = trainer, path
         self.saved_frames = None  # frame of the checkpoint on disk
@@ -870,7 +875,11 @@ class Checkpoints:
         """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
         trainer = self.trainer
         config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
-        state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device)
+        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (tools.resume_checkpoint)
+            state, path, notes = tools.resume_checkpoint(self.path, config.device, self.KEYS)
+        ranks.barrier()
+        if not ranks.is_main:
+            state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
         trainer.notes += [f"WARNING: {note}" for note in notes]
         stored = 0 if config.offline_traindir else tools.stored_steps(trainer.traindir)
         if state is None:
@@ -1198,7 +1207,7 @@ def log_evaluation(logger, episodes, config):
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
     """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
-    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device)
+    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
     tools.check_fits(agent, state["agent"], path)

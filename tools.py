@@ -23,6 +23,7 @@ import datetime
 import difflib
 import errno
 import io
+import itertools
 import json
 import math
 import os
@@ -320,17 +321,27 @@ def episode_files(directory):
     return sorted(items, key=lambda item: item[0], reverse=True)
 
 
-def read_episode(files):
-    """One episode from its file, or from its chunks (concatenated; a missing chunk ends it there, so
-    that no two steps that did not follow each other become neighbours)."""
+def read_episode(files, on_bad_chunk=None):
+    """One episode from its file, or from its chunks (concatenated; a missing or unreadable chunk ends
+    it there, so that no two steps that did not follow each other become neighbours, and the chunks
+    before it stay). An unreadable chunk after the first is reported to `on_bad_chunk(path, problem,
+    later)`, `later` the number of chunks after it that are dropped with it; an unreadable first
+    chunk or whole file raises."""
     parts = []
     for position, path in enumerate(files):
         _, index, _ = parse_episode_file(path)
         if index is not None and index != position:
             break
-        with path.open("rb") as f:
-            data = np.load(f)
-            parts.append({k: data[k] for k in data.keys()})
+        try:
+            with path.open("rb") as f:
+                data = np.load(f)
+                parts.append({k: data[k] for k in data.keys()})
+        except Exception as e:  # noqa: BLE001 - any unreadable chunk ends the episode there
+            if not parts:
+                raise
+            if on_bad_chunk is not None:
+                on_bad_chunk(path, f"unreadable ({e})", len(files) - position - 1)
+            break
     if not parts:
         raise ValueError("its first chunk is missing")
     if len(parts) == 1:
@@ -465,6 +476,14 @@ def episode_problem(episode, spec):
     return None
 
 
+def non_finite_problem(episode):
+    """Why an episode's values cannot be trained on (NaN or infinite floats: every update that samples
+    them would turn the weights non-finite), or None."""
+    bad = [key for key, value in episode.items() if not key.startswith("log_") and np.asarray(value).dtype.kind == "f"
+           and not np.isfinite(value).all()]
+    return f"non-finite values in {', '.join(map(repr, bad))}" if bad else None
+
+
 def skip_warning(filename, problem):
     """One line per skipped episode file."""
     print(f"warning: skipping episode {filename}: {problem}", file=sys.stderr, flush=True)
@@ -483,14 +502,21 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
     if not directory.exists():
         return []
     episodes, total = [], 0
+
+    def bad_chunk(path, problem, later):
+        on_skip(f"{path}" + (f" (and its {later} later chunks)" if later else ""),
+                f"{problem}; the episode's chunks before it are kept")
+
     for _, files in episode_files(directory):
         try:
-            episode = read_episode(files)
+            episode = read_episode(files, bad_chunk)
             if spec is not None:
                 episode = fit_latents(episode, spec)
             problem = episode_problem(episode, spec) if spec is not None else None
             if problem is None and "reward" not in episode:
                 problem = "missing key 'reward'"
+            if problem is None:
+                problem = non_finite_problem(episode)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
             problem = f"unreadable ({e})"
         if problem is not None:
@@ -504,6 +530,50 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
             episode["task"] = np.zeros(length, np.int32)
         episodes.append(episode)
     return episodes[::-1]
+
+
+def recover_episodes(directory):
+    """After a kill -9: the temporary files that episode writes left in `directory` (atomic_write_bytes)
+    become their file where complete (every array loads) and that file does not exist yet, and are
+    deleted otherwise; the chunks of an episode whose whole file exists (a kill before they were
+    removed) are deleted too. Only the run that holds the logdir may call it. Returns one line
+    saying what it did, or None when there was nothing to do."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return None
+    promoted, removed, size = 0, 0, 0
+    for temp, target in temp_files(directory):
+        if target.suffix != ".npz":
+            continue
+        complete = False
+        if not target.exists():
+            try:
+                with np.load(temp) as data:
+                    for key in data.files:
+                        data[key]  # noqa: B018 - reads and checks every array
+                complete = True
+            except Exception:  # noqa: BLE001 - cut short by the kill
+                pass
+        if complete:
+            os.replace(temp, target)
+            promoted += 1
+        else:
+            size += temp.stat().st_size
+            temp.unlink()
+            removed += 1
+    whole = {parse_episode_file(path)[0] for path in directory.glob("*.npz") if parse_episode_file(path)[1] is None}
+    stale = [path for path in directory.glob("*.npz") if parse_episode_file(path)[1] is not None
+             and parse_episode_file(path)[0] in whole]
+    for path in stale:
+        size += path.stat().st_size
+        path.unlink()
+    if not (promoted or removed or stale):
+        return None
+    sync_folder(directory)
+    done = [f"{promoted} complete temporary file(s) became their episode file"] if promoted else []
+    done += [f"removed {removed} incomplete temporary file(s)"] if removed else []
+    done += [f"removed {len(stale)} chunk(s) of episodes stored whole"] if stale else []
+    return f"Recovered episode files in {directory} after a kill: {', '.join(done)} ({size / 1e6:.3g} MB freed)"
 
 
 def stored_steps(directory):
@@ -835,20 +905,82 @@ class WriteError(OSError):
         return f"{'free space' if full else 'make it writable'} and rerun to resume"
 
 
+def fault_point(name, path):
+    """Called at each step of a checkpoint or episode write (`name`: "half written", "written",
+    "previous kept", "replaced"), with the file being written: tests set `fault_hook` to kill the
+    process there (tests/test_faults.py), as a kill -9 at that instant would."""
+    if fault_hook is not None:
+        fault_hook(name, pathlib.Path(path))
+
+
+fault_hook = None
+
+
+def temp_path(path):
+    """The temporary file a write of `path` goes through: `.<name>.<8 hex digits>.tmp` beside it,
+    a name `temp_files` finds again after a kill."""
+    path = pathlib.Path(path)
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{8}\.tmp$")
+
+
+def temp_files(folder, name=None):
+    """The temporary files of `temp_path` in `folder` (those of files named `name`, or of any),
+    with the file each was to become: [(temp, target)], oldest first."""
+    found = []
+    for temp in pathlib.Path(folder).glob(".*.tmp"):
+        match = TEMP_PATTERN.match(temp.name)
+        target = match and match["name"]
+        while target and TEMP_PATTERN.match(target):  # a temp of a temp: how saves before issue 32 wrote
+            target = TEMP_PATTERN.match(target)["name"]
+        if target and (name is None or target == name) and temp.is_file():
+            found.append((temp, temp.with_name(target)))
+    return sorted(found, key=lambda item: item[0].stat().st_mtime)
+
+
+def write_synced(path, data):
+    """Write `data` to `path` and flush it to the disk (fault points "half written", "written")."""
+    with pathlib.Path(path).open("wb") as f:
+        half = len(data) // 2
+        f.write(data[:half])
+        f.flush()
+        fault_point("half written", path)
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+    fault_point("written", path)
+
+
+def sync_folder(folder):
+    """Make the renames in `folder` durable (a power cut after a rename otherwise may undo it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename itself is done
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path, data):
-    """Write `data` to `path` through a temporary file and a rename, so readers never see half.
+    """Write `data` to `path` through a temporary file (`temp_path`) and a rename, so readers never
+    see half; a kill -9 may leave the temporary file, which `recover_episodes` (episode files) and
+    `recover_checkpoint` clear at the next start.
 
     On failure the temporary file is removed (a full disk gets its space back) and WriteError
     names `path`; `path` itself is untouched.
     """
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_path(path)
     try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         os.replace(tmp, path)
+        fault_point("replaced", path)
     except BaseException as e:  # Ctrl-C in a single process too: no temporary file stays behind
         try:
             tmp.unlink(missing_ok=True)
@@ -860,7 +992,11 @@ def atomic_write_bytes(path, data):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: unreadable, unsafe to unpickle, or with non-finite values."""
+    """A checkpoint that cannot be used: unreadable, unsafe to unpickle (`unsafe`), or with non-finite values."""
+
+    def __init__(self, message, unsafe=False):
+        super().__init__(message)
+        self.unsafe = unsafe
 
 
 def tensors(tree):
@@ -887,22 +1023,28 @@ def previous_path(path):
 
 
 def save_checkpoint(path, state):
-    """Write `state` to `path` atomically and keep the checkpoint it replaces as previous.pt.
-
-    A kill between the two renames leaves only previous.pt, which `load_checkpoint_or_previous`
-    falls back to. Non-finite weights are refused: they would replace the last good checkpoint.
+    """Write `state` to `path` and keep the checkpoint it replaces as previous.pt, so that a kill -9
+    at any instant leaves the newest complete checkpoint findable: the state goes to a temporary
+    file (`temp_path`, flushed to disk), then latest.pt becomes previous.pt and the temporary file
+    latest.pt. A kill before the first rename leaves latest.pt as it was, after it only previous.pt
+    and the complete temporary file; `resume_checkpoint` promotes that one at the next start.
+    Non-finite weights are refused: they would replace the last good checkpoint.
     """
     if not all_finite(state):
         raise CheckpointError("the state to save holds non-finite values")
     path = pathlib.Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_path(path)
     try:
-        atomic_write_bytes(tmp, buffer.getvalue())
-    except WriteError as e:  # named as the checkpoint, not its temporary file; nothing was replaced
-        raise WriteError(path, e) from None
-    # Ctrl-C or SIGTERM between the renames would leave only previous.pt; hold them until done.
+        write_synced(tmp, buffer.getbuffer())
+    except BaseException as e:  # a full disk gets its space back; Ctrl-C leaves nothing either
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # named as the checkpoint, not its temporary file; nothing was replaced
+            raise WriteError(path, e) from None
+        raise
+    # Ctrl-C or SIGTERM between the renames would leave latest.pt in the temporary file; hold them until done.
     signals = {signal.SIGINT, signal.SIGTERM}
     blocked = threading.current_thread() is threading.main_thread()
     if blocked:
@@ -910,7 +1052,10 @@ def save_checkpoint(path, state):
     try:
         if path.exists():
             os.replace(path, previous_path(path))
+            fault_point("previous kept", path)
         os.replace(tmp, path)
+        sync_folder(path.parent)
+        fault_point("replaced", path)
     except OSError as e:  # renames need no space; a folder turned read-only can refuse them
         raise WriteError(path, e) from None
     finally:
@@ -918,28 +1063,103 @@ def save_checkpoint(path, state):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
-def load_checkpoint(path, device="cpu"):
+def _torch_reason(error):
+    """The line of a torch.load error that says what is wrong, without torch's advice around it
+    (which suggests weights_only=False, the one thing never to do with a refused file)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    advice = ("Weights only load failed", "(1)", "(2)", "In PyTorch", "Re-running", "Check the documentation",
+              "Please file an issue", "Please use", "This file can still be loaded")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(advice)] or lines
+    reason = lines[0] if lines else type(error).__name__
+    return reason.split(". ")[0].rstrip(".")[:200]  # its first sentence: what follows is advice again
+
+
+def pickle_globals(path):
+    """(the globals, as module.name, that the pickles of a checkpoint file ask to call or build,
+    whether every pickle was read to its end), found with pickletools, which runs nothing: the
+    .pkl members of a torch.save zip archive, or the file as one plain pickle."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                streams = [archive.read(name) for name in archive.namelist() if name.endswith(".pkl")]
+        else:
+            streams = [pathlib.Path(path).read_bytes()]
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return [], False
+    found, complete = [], bool(streams)
+    for data in streams:
+        strings, memo = [], {}
+        try:
+            for opcode, arg, _ in pickletools.genops(data):
+                name = opcode.name
+                if name in ("GLOBAL", "INST"):
+                    found.append(arg.replace(" ", "."))
+                elif name == "STACK_GLOBAL":
+                    found.append(".".join(map(str, strings[-2:])))
+                elif name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if name == "MEMOIZE" else arg] = strings[-1] if strings else None
+                elif name in ("GET", "BINGET", "LONG_BINGET"):
+                    strings.append(memo.get(arg))
+                elif isinstance(arg, str):
+                    strings.append(arg)
+        except Exception:  # noqa: BLE001 - a damaged or cut pickle: what was read so far is what it asked for
+            complete = False
+    return found, complete
+
+
+def _unsafe_globals(found):
+    """The globals among `found` that torch's weights-only loading does not allow."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        allowed = set(_get_allowed_globals())
+    except ImportError:  # another torch: its own message still decides (load_checkpoint)
+        allowed = {name for name in found if name.startswith(("torch.", "collections.OrderedDict"))}
+    return sorted({name for name in found if name not in allowed})
+
+
+def load_checkpoint(path, device="cpu", keys=()):
     """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
 
-    Raises CheckpointError, with the reason in one line, for anything else.
+    Raises CheckpointError with the reason in one line: `unsafe` set for a file that asks to call
+    or build anything else (os.system, exec, eval, any class: someone made it so, and it is never
+    skipped), unset for a damaged one (empty, cut short, not a checkpoint, or a state without one
+    of `keys`).
     """
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch names what it refused after "WeightsUnpickler error:"; "Unsupported global" means
-        # the file asks to call or build something, anything else is a damaged file.
-        reason = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
-        if "global" not in reason.lower():
-            raise CheckpointError(f"cannot read {path}: not a checkpoint ({reason})") from None
-        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
-                              f"which could run code ({reason})") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {str(e).strip().splitlines()[0][:200]}") from None
+        reason = _torch_reason(e)
+        found, complete = pickle_globals(path)
+        unsafe = _unsafe_globals(found)
+        if unsafe or "global" in reason.lower():  # either sign: torch's wording changes between versions
+            asks = f" ({', '.join(unsafe)})" if unsafe else ""
+            raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain "
+                                  f"data{asks}, which could run code; torch: {reason}", unsafe=True) from None
+        what = "cut short or damaged" if not complete else "not a checkpoint"
+        raise CheckpointError(f"cannot read {path}: {what} ({reason})") from None
+    except EOFError:
+        raise CheckpointError(f"cannot read {path}: empty or cut short (it ends early)") from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_torch_reason(e)}") from None
+    missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"cannot read {path}: incomplete, without {', '.join(map(repr, missing))}")
+    return state
 
 
-def load_checkpoint_or_previous(path, device="cpu"):
+def load_checkpoint_or_previous(path, device="cpu", keys=()):
     """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
-    unreadable or non-finite; (None, None, notes) when neither exists.
+    damaged (load_checkpoint, with `keys`) or non-finite; (None, None, notes) when neither exists.
+    Reads only: a run beside training (--eval_only) uses it too.
 
     A checkpoint that is unsafe to unpickle is an error, never skipped: someone changed the file.
     """
@@ -950,9 +1170,9 @@ def load_checkpoint_or_previous(path, device="cpu"):
                 notes.append(f"{path} is missing")
             continue
         try:
-            state = load_checkpoint(candidate, device)
+            state = load_checkpoint(candidate, device, keys)
         except CheckpointError as e:
-            if "refusing" in str(e):
+            if e.unsafe:
                 raise
             notes.append(str(e))
             continue
@@ -965,6 +1185,55 @@ def load_checkpoint_or_previous(path, device="cpu"):
     if notes:
         raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
     return None, None, notes
+
+
+def recover_checkpoint(path, device="cpu", keys=()):
+    """After a kill -9 in `save_checkpoint`: promote the newest complete temporary file of `path`
+    (verified by loading it) to `path`, keeping the one it replaces as previous.pt as a save would,
+    and delete every other temporary file of `path`. Only the run that holds the logdir may call
+    it. Returns one line saying what it did, or None when there was nothing to do."""
+    path = pathlib.Path(path)
+    temps = [temp for temp, _ in temp_files(path.parent, path.name)]
+    if not temps:
+        return None
+    promoted, removed, size = None, 0, 0
+    for temp in reversed(temps):  # newest first: the first complete one is the save the kill cut short
+        if promoted is None:
+            try:
+                state = load_checkpoint(temp, device, keys)
+            except CheckpointError:
+                state = None
+            if state is not None and all_finite(state):
+                # Complete means written after latest.pt (the save writes it first): it replaces latest.pt.
+                if path.exists():
+                    os.replace(path, previous_path(path))
+                os.replace(temp, path)
+                promoted = temp
+                continue
+        size += temp.stat().st_size
+        temp.unlink()
+        removed += 1
+    sync_folder(path.parent)
+    done = [f"promoted the complete {promoted.name} to {path.name}"] if promoted else []
+    if removed:
+        done.append(f"removed {removed} incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
+    return f"Recovered from a kill during a checkpoint write: {' and '.join(done)}"
+
+
+def resume_checkpoint(path, device="cpu", keys=()):
+    """What a training run resumes from: `recover_checkpoint`, then `load_checkpoint_or_previous`. A
+    damaged latest.pt is kept aside as latest.pt.damaged, so that the next save does not make it
+    previous.pt in place of the good one. Returns (state, path it came from, notes)."""
+    path = pathlib.Path(path)
+    recovered = recover_checkpoint(path, device, keys)
+    state, used, notes = load_checkpoint_or_previous(path, device, keys)
+    if used is not None and used != path and path.exists():
+        damaged = path.with_name(path.name + ".damaged")
+        os.replace(path, damaged)
+        notes.append(f"kept the damaged {path.name} aside as {damaged.name}")
+    if notes:
+        notes = ["; ".join(notes)]  # one line
+    return state, used, ([recovered] if recovered else []) + notes
 
 
 class LogdirBusy(RuntimeError):
@@ -1037,14 +1306,49 @@ class TensorBoardOutput:
         self.writer.close()
 
 
+def set_aside(path, kept, damaged, problem):
+    """A log file with `damaged` lines that cannot be read (the first: `problem`): the file as it was
+    is kept as <name>.damaged (or .damaged.1, ...), `kept` (its readable lines, text) replaces it, and
+    one warning line says so; the run goes on."""
+    backup = path.with_name(path.name + ".damaged")
+    for n in itertools.count(1):
+        if not backup.exists():
+            break
+        backup = path.with_name(f"{path.name}.damaged.{n}")
+    os.replace(path, backup)
+    atomic_write_bytes(path, kept.encode())
+    print(f"warning: {path}: {damaged} damaged line(s) left out ({problem}); the file as it was is kept as "
+          f"{backup.name}", file=sys.stderr, flush=True)
+
+
 class JsonlOutput:
-    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}."""
+    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}. Damaged lines
+    (a kill -9 mid-line, an edit) are left out at the start, the file as it was set aside (set_aside)."""
 
     def __init__(self, logdir, step, config):
         self.path = pathlib.Path(logdir) / "metrics.jsonl"
-        if step and self.path.exists():  # a resumed run drops what came after its checkpoint
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            atomic_write_bytes(self.path, "".join(line + "\n" for line in keep).encode())
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        keep, damaged, problem = [], 0, None
+        for number, line in enumerate(data.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+                if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+                    raise ValueError("not an object with a step")
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                damaged += 1
+                problem = problem or f"line {number}: {str(e)[:80]}"
+                continue
+            if not step or row["step"] <= step:  # a resumed run drops what came after its checkpoint
+                keep.append(line.decode("utf-8"))
+        text = "".join(line + "\n" for line in keep)
+        if damaged:
+            set_aside(self.path, text, damaged, problem)
+        elif text.encode() != data:
+            atomic_write_bytes(self.path, text.encode())
 
     def write(self, step, scalars, videos):
         if scalars:
@@ -1056,6 +1360,13 @@ class JsonlOutput:
 
     def close(self):
         pass
+
+
+def _csv_step(row):
+    try:
+        return float(row.get("step"))
+    except (TypeError, ValueError):
+        return None
 
 
 class CsvOutput:
@@ -1074,21 +1385,30 @@ class CsvOutput:
         self.path = pathlib.Path(logdir) / "metrics.csv"
         self.columns, rows = ["step"], []
         if self.path.exists():
-            with self.path.open(newline="") as f:
-                reader = csv.DictReader(f)
-                self.columns = list(reader.fieldnames or ["step"])
-                rows = list(reader)
-            if step:  # a resumed run drops what came after its checkpoint
-                kept = [row for row in rows if float(row["step"]) <= step]
-                if len(kept) < len(rows):
-                    self._rewrite(kept)
+            try:
+                with self.path.open(newline="") as f:
+                    reader = csv.DictReader(f)
+                    self.columns = list(reader.fieldnames or ["step"])
+                    rows = list(reader)
+            except (UnicodeDecodeError, csv.Error) as e:  # not text: nothing of it can be kept
+                set_aside(self.path, "", "all", str(e)[:80])
+                self.columns, rows = ["step"], []
+            good = [row for row in rows if _csv_step(row) is not None]
+            kept = [row for row in good if not step or _csv_step(row) <= step]  # a resumed run drops what came after
+            if len(good) < len(rows):
+                self._rewrite(kept, damaged=len(rows) - len(good))
+            elif len(kept) < len(rows):
+                self._rewrite(kept)
 
-    def _rewrite(self, rows):
+    def _rewrite(self, rows, damaged=0):
         buffer = io.StringIO()
         writer = self.csv.DictWriter(buffer, self.columns, restval="", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        atomic_write_bytes(self.path, buffer.getvalue().encode())
+        if damaged:
+            set_aside(self.path, buffer.getvalue(), damaged, "rows without a numeric step")
+        else:
+            atomic_write_bytes(self.path, buffer.getvalue().encode())
 
     def write(self, step, scalars, videos):
         if not scalars:
