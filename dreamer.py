@@ -259,7 +259,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             raise tools.ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         config, resolved = models.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
-        check_model_memory(config, env.obs_space, env.act_space)
+        check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (tools.ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
@@ -301,15 +301,25 @@ def run_processes(config, logdir, device_note, changed, ranks):
             env.close()
 
 
-def check_model_memory(config, obs_space, act_space):
-    """Refuse a model that cannot be allocated (--units 1e12), before it is: its parameters are counted
-    on the meta device, which allocates nothing, and their weights, gradients and two optimizer
-    moments (4 x 4 bytes each) must fit the memory free on the run's device."""
+def check_memory(config, obs_space, act_space):
+    """Refuse a model or replay that cannot be allocated, before it is. The model (--units 1e12): its
+    parameters are counted on the meta device, which allocates nothing, and their weights, gradients
+    and two optimizer moments (4 x 4 bytes each) must fit the memory free on the run's device. The
+    replay grows as it fills, so it is refused only when it could never fit: more bytes at capacity
+    than its device has in all (one that does not fit what is free now is the summary's WARNING,
+    tools.cost_lines)."""
     try:
         with torch.device("meta"):
             agent = Dreamer(obs_space, act_space, config.replace(compile=False))
     except (NotImplementedError, RuntimeError):  # a part that cannot be built on meta: the real build will tell
         return
+    spec = {**tools.episode_spec(obs_space, act_space), **agent.context.spec}
+    replay_device = config.device if config.replay_device else "cpu"
+    replay, total = tools.step_bytes(spec) * config.dataset_size, tools.total_memory(replay_device)
+    if total is not None and replay > total:
+        raise tools.ConfigError(f"the replay needs {replay / 1e9:,.3g} GB at capacity (--dataset_size "
+                                f"{config.dataset_size:,} steps x {tools.step_bytes(spec):,} bytes) and the "
+                                f"{replay_device} memory is {total / 1e9:.3g} GB in all: lower --dataset_size")
     params = sum(p.numel() for p in agent.parameters())
     need, free = 16 * params, tools.available_memory(config.device)
     if free is None or need <= free:
@@ -321,7 +331,7 @@ def check_model_memory(config, obs_space, act_space):
                             f"make it smaller (its largest sizes: {', '.join(f'--{k} {flat[k]}' for k in largest)})")
 
 
-# The keys that set the width of a network (for check_model_memory's message).
+# The keys that set the width of a network (for check_memory's message).
 MODEL_SIZE_KEYS = ("units", "dyn_hidden", "dyn_deter", "dyn_stoch", "dyn_discrete", "encoder.cnn_depth",
                    "decoder.cnn_depth", "encoder.mlp_units", "decoder.mlp_units", "disag_units")
 
@@ -778,7 +788,7 @@ class AsyncLoop:
         while not (self.done.is_set() and not self.schedule.can_sample()):
             trainer.maintain()
             if self.error is not None:
-                raise self.error
+                self.raise_error()
             with trainer.stopwatch.time("learner_wait"):
                 if not self.schedule.wait_sample(timeout=0.05):
                     continue
@@ -788,7 +798,13 @@ class AsyncLoop:
             if trainer.counters.updates - self.synced >= config.actor_sync_every:
                 self.sync_actor()
         if self.error is not None:
-            raise self.error
+            self.raise_error()
+
+    def raise_error(self):
+        """The actor thread's error, in the learner's thread; a ValueError as Trainer.collect words it."""
+        if isinstance(self.error, ValueError):  # its weights are the learner's, copied
+            self.trainer.raise_non_finite(self.error, f"in the actor's policy step at frame {self.trainer.frames}")
+        raise self.error
 
     def start_actor(self):
         trainer, config = self.trainer, self.trainer.config

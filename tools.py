@@ -435,6 +435,20 @@ def available_memory(device="cpu"):
     return None
 
 
+def total_memory(device="cpu"):
+    """Bytes of memory the device has in all (a CUDA device's, else the host's MemTotal; None where not
+    known): more than this can never be allocated, however much is freed."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[1] if torch.cuda.is_available() else None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
 
 

@@ -89,6 +89,13 @@ def test_a_model_that_cannot_be_allocated_is_refused_before_it_is(tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
+def test_a_replay_that_could_never_fit_is_refused_at_start(tmp_path, capsys):
+    code, out, err = main(capsys, *SHORT, "--logdir", str(tmp_path / "run"), "--dataset_size", "1e12")
+    line = one_error_line(err)
+    assert code == 2 and out == "" and "the replay needs" in line and "in all: lower --dataset_size" in line, err
+    assert "--dataset_size 1,000,000,000,000 steps x" in line and not (tmp_path / "run").exists()
+
+
 def test_a_logdir_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, capsys):
     logdir = tmp_path / os.fsdecode(b"run-\xff")  # how Python hands over such a command-line argument
     code, out, err = main(capsys, *SHORT, "--logdir", str(logdir))
