@@ -3,7 +3,7 @@
     python3 benchmarks/plot.py logdir/walker_s0 logdir/walker_s1 logdir/pong --output curves.png
     python3 benchmarks/plot.py logdir/walker_* --metric train/return --reference dmc_proprio --spread minmax
 
-Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames),
+Each RUN is a logdir with `metrics.jsonl` (written by logs.Logger; `step` counts environment frames),
 or a logdir of the official code (danijar/dreamerv3) with `scores.jsonl`, whose training-episode scores
 (`episode/score`, at `step` frames) are read as train/return: plot it with --metric train/return.
 Its task names atari100k_<game> are read as atari_<game>.

@@ -3,7 +3,7 @@ damaged file is one line and skipped, never a blocked resume; what cannot run is
 in one line; a finished run's rerun changes nothing.
 
 Short `dreamer.main` runs of the debug preset run in this process; the kill tests start runs of
-their own and kill them at chosen points of the checkpoint write (tools.FAULT_POINT).
+their own and kill them at chosen points of the checkpoint write (tools.fault_point).
 """
 
 import copy
@@ -25,7 +25,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
+import logs  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -112,11 +114,11 @@ def test_a_long_value_is_named_by_its_start_and_length_not_echoed(tmp_path, caps
 
 
 def test_progress_of_steps_0_and_past_the_end_reads_100_percent():
-    assert "frames 2/0 (100.0%)" in tools.Progress(0, 0, interactive=False).line(2)
-    progress = tools.Progress(40, 0, interactive=False)
+    assert "frames 2/0 (100.0%)" in logs.Progress(0, 0, interactive=False).line(2)
+    progress = logs.Progress(40, 0, interactive=False)
     progress.update(44, fps=10.0)
     assert progress.line(44).startswith("frames 44/40 (100.0%)") and progress.line(44).endswith("ETA 0:00:00")
-    assert tools.Progress(40, 0, interactive=False).line(10).startswith("frames 10/40 (25.0%)")
+    assert logs.Progress(40, 0, interactive=False).line(10).startswith("frames 10/40 (25.0%)")
 
 
 # -- 10. a finished run's rerun ------------------------------------------------------------------------
@@ -185,7 +187,7 @@ class NaNRewardEnv:
 
 def test_a_non_finite_environment_step_is_refused_before_it_is_stored(tmp_path):
     env = parallel.Damy(NaNRewardEnv, 2, name="nan_task")
-    replay = tools.Replay(100, 1)
+    replay = storage.Replay(100, 1)
     collector = parallel.Collector([env], replay, tmp_path, lambda episode: None, chunk_size=1)
     policy = lambda obs, state: (np.zeros((1, 2), np.float32), None)  # noqa: E731
     collector.step(policy)
@@ -194,7 +196,7 @@ def test_a_non_finite_environment_step_is_refused_before_it_is_stored(tmp_path):
         collector.step(policy)
     assert str(caught.value) == ("Environment 2 (nan_task) returned a non-finite reward at step 3 of its episode; "
                                  "it was not stored")
-    assert len(replay) == 3 and all(np.isfinite(e["reward"]).all() for e in tools.load_episodes(tmp_path))
+    assert len(replay) == 3 and all(np.isfinite(e["reward"]).all() for e in storage.load_episodes(tmp_path))
     with pytest.raises(parallel.NonFiniteStep, match="the policy gave non-finite actions"):
         parallel.Collector([env], None, None, lambda e: None).step(lambda obs, state: (np.full((1, 2), np.nan), None))
 
@@ -318,21 +320,21 @@ def test_a_kill_at_each_step_of_a_checkpoint_write_resumes_the_newest_complete_o
 @pytest.mark.parametrize("point", ["half written", "written"])
 def test_a_kill_in_an_episode_chunk_write_leaves_no_temporary_file_and_keeps_every_complete_chunk(run_copy, point):
     traindir = run_copy / "train_eps"
-    before = tools.stored_steps(traindir)
+    before = storage.stored_steps(traindir)
     run_killed_at(point, ".npz", 3, *SHORT, "--logdir", str(run_copy), "--steps", "80", "--chunk_size", "5")
     assert len(temps(traindir)) == 1
-    on_disk = tools.stored_steps(traindir)
+    on_disk = storage.stored_steps(traindir)
     trainer = resumed(run_copy)
     assert temps(run_copy) == []
     line = next(note for note in trainer.notes if note.startswith("WARNING: Recovered episode files in"))
     if point == "written":  # the third chunk was complete: kept, as the rename would have kept it
         assert "1 complete temporary file(s) became their episode file" in line
-        assert tools.stored_steps(traindir) == on_disk + 5
+        assert storage.stored_steps(traindir) == on_disk + 5
     else:
         assert "removed 1 incomplete temporary file(s)" in line
-        assert tools.stored_steps(traindir) == on_disk
+        assert storage.stored_steps(traindir) == on_disk
     assert on_disk == before + 9  # chunks 0 (first step and 4 more) and 1 of the killed run's episode
-    assert trainer.counters.stored_steps == tools.stored_steps(traindir)
+    assert trainer.counters.stored_steps == storage.stored_steps(traindir)
 
 
 def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_every_other(tmp_path):
@@ -352,8 +354,8 @@ def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_ever
     other.write_bytes(b"")
     size = sum(p.stat().st_size for p in (older, cut, nested))
     line = tools.recover_checkpoint(path)
-    assert line == ("Recovered from a kill during a checkpoint write: promoted the complete .latest.pt.00000001.tmp "
-                    f"to latest.pt and removed 3 incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
+    assert line == ("Recovered from a kill during a checkpoint write: promoted the complete .latest.pt.00000001.tmp to "
+                    f"latest.pt and removed 3 incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
     assert int(tools.load_checkpoint(path)["step"]) == 3
     assert int(tools.load_checkpoint(tmp_path / "previous.pt")["step"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [".previous.pt.00000001.tmp", "latest.pt", "previous.pt"]
@@ -365,13 +367,13 @@ def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_ever
 
 def test_an_unreadable_chunk_keeps_the_chunks_before_it(tmp_path, capsys):
     steps = [{"reward": np.float32(i), "action": np.zeros(2, np.float32)} for i in range(31)]
-    writer = tools.EpisodeWriter(tmp_path, 10)
+    writer = storage.EpisodeWriter(tmp_path, 10)
     for i in range(1, len(steps) + 1):
         writer.add(steps[:i])
     chunks = sorted(tmp_path.glob("*-c*.npz"))
     assert len(chunks) == 3
     chunks[1].write_bytes(b"damaged")
-    episodes = tools.load_episodes(tmp_path)
+    episodes = storage.load_episodes(tmp_path)
     assert [len(e["reward"]) for e in episodes] == [10]  # chunk 0 stays; chunk 2 cannot follow it
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"skipping episode {chunks[1]} (and its 1 later chunks): unreadable" in lines[0]
@@ -383,8 +385,8 @@ def test_a_stored_episode_with_a_nan_reward_is_named_and_skipped(run_copy, capsy
     with np.load(good) as data:
         episode = {k: data[k] for k in data.keys()}
     episode["reward"][3] = np.nan
-    poisoned = tools.save_episode(run_copy / "train_eps", episode)
-    assert tools.load_episodes(run_copy / "train_eps", spec=tools.episode_spec(*spaces)) != []
+    poisoned = storage.save_episode(run_copy / "train_eps", episode)
+    assert storage.load_episodes(run_copy / "train_eps", spec=storage.episode_spec(*spaces)) != []
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: skipping episode {poisoned}: non-finite values in 'reward'"], err
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "60")
