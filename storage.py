@@ -362,7 +362,8 @@ def recover_episodes(directory):
     done = [f"{promoted} complete temporary file(s) became their episode file"] if promoted else []
     done += [f"removed {removed} incomplete temporary file(s)"] if removed else []
     done += [f"removed {len(stale)} chunk(s) of episodes stored whole"] if stale else []
-    return f"Recovered episode files in {directory} after a kill: {', '.join(done)} ({size / 1e6:.3g} MB freed)"
+    freed = f" ({size / 1e6:.3g} MB freed)" if size else ""
+    return f"Recovered episode files in {directory} after a kill: {', '.join(done)}{freed}"
 
 
 def stored_steps(directory):
