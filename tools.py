@@ -583,12 +583,28 @@ def recover_checkpoint(path, device="cpu", keys=()):
     return f"Recovered from a kill during a checkpoint write: {' and '.join(done)}"
 
 
+def remove_temp_files(folder, but=()):
+    """Delete the temporary files (`temp_files`) in `folder` of every file but those named in `but`:
+    what a kill -9 left of rewrites such as config.yaml or metrics.jsonl, whose old version the
+    rename never replaced. Only the run that holds the logdir may call it. Returns one line, or None."""
+    found = [(temp, target) for temp, target in temp_files(folder) if target.name not in but]
+    for temp, _ in found:
+        temp.unlink()
+    if not found:
+        return None
+    names = sorted({target.name for _, target in found})
+    return (f"Removed {len(found)} temporary file(s) a kill left in {folder} (of {', '.join(names)}; each is as it "
+            "was before)")
+
+
 def resume_checkpoint(path, device="cpu", keys=()):
-    """What a training run resumes from: `recover_checkpoint`, then `load_checkpoint_or_previous`. A
-    damaged latest.pt is kept aside as latest.pt.damaged, so that the next save does not make it
-    previous.pt in place of the good one. Returns (state, path it came from, notes)."""
+    """What a training run resumes from: `recover_checkpoint` (and `remove_temp_files` for the other
+    files beside it), then `load_checkpoint_or_previous`. A damaged latest.pt is kept aside as
+    latest.pt.damaged, so that the next save does not make it previous.pt in place of the good one.
+    Returns (state, path it came from, notes)."""
     path = pathlib.Path(path)
-    recovered = recover_checkpoint(path, device, keys)
+    recovered = [line for line in (recover_checkpoint(path, device, keys),
+                                   remove_temp_files(path.parent, but=(path.name,))) if line]
     state, used, notes = load_checkpoint_or_previous(path, device, keys)
     if used is not None and used != path and path.exists():
         damaged = path.with_name(path.name + ".damaged")
@@ -596,7 +612,7 @@ def resume_checkpoint(path, device="cpu", keys=()):
         notes.append(f"kept the damaged {path.name} aside as {damaged.name}")
     if notes:
         notes = ["; ".join(notes)]  # one line
-    return state, used, ([recovered] if recovered else []) + notes
+    return state, used, recovered + notes
 
 
 class LogdirBusy(RuntimeError):

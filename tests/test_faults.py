@@ -362,6 +362,19 @@ def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_ever
     assert tools.recover_checkpoint(path) is None  # nothing left to do
 
 
+def test_the_start_removes_the_temporary_files_of_the_logdirs_other_rewrites(tmp_path):
+    path = tmp_path / "latest.pt"
+    tools.save_checkpoint(path, {"step": torch.tensor(1)})
+    (tmp_path / "config.yaml").write_text("task: x\n")
+    for name in (".config.yaml.0000abcd.tmp", ".metrics.jsonl.00001234.tmp"):
+        (tmp_path / name).write_text("cut")
+    state, used, notes = tools.resume_checkpoint(path)
+    assert int(state["step"]) == 1 and used == path
+    assert notes == [f"Removed 2 temporary file(s) a kill left in {tmp_path} (of config.yaml, metrics.jsonl; each is "
+                     "as it was before)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "latest.pt"]
+
+
 # -- 3, 4, 6. damaged files are named and skipped ------------------------------------------------------
 
 
