@@ -910,6 +910,7 @@ class Checkpoints:
                                      f"{stored * config.action_repeat} frames of episodes: training starts from "
                                      "fresh weights and the frame count continues from them")
             return False
+        networks.split_merged_outputs(trainer.agent, state["agent"])
         tools.check_fits(trainer.agent, state["agent"], path)
         saved_ranks = state.get("world_size", 1)
         if saved_ranks != ranks.world_size:
@@ -1173,6 +1174,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
+    networks.split_merged_outputs(agent, state["agent"])
     tools.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
