@@ -1,12 +1,12 @@
 """Fixtures shared by several test files, the `slow` tier and the per-test time limit.
 
 The tiers: `python3 -m pytest -m "not slow"` is the quick check while changing code (about two
-minutes: 548 tests in 150 s at one thread on the shared 2-core machine); `python3 -m pytest -q` runs everything
-(README, Tests; .ci/run). A test is slow
-when it starts processes, compiles (torch.compile, models.compile_update / compile_steps), or
-uses a module fixture that trains or starts processes: pytest_collection_modifyitems marks it by
-reading the code the test and its fixtures run (their own and the helpers of their module);
-`@pytest.mark.slow` marks the rest that take seconds (in-process training runs).
+minutes: 548 tests in 150 s at one thread on the shared 2-core machine); `python3 -m pytest -q` runs
+everything (README, Tests; .ci/run). A test is slow when it starts processes, compiles
+(torch.compile, models.compile_update / compile_steps), or uses a module fixture that trains or
+starts processes: pytest_collection_modifyitems marks it by reading the code the test and its
+fixtures run (their own and the helpers of their module); `@pytest.mark.slow` marks the rest that
+take seconds (in-process training runs).
 """
 
 import inspect
