@@ -84,7 +84,7 @@ def main(argv=None):
 def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
-    except (tools.ConfigError, ValueError) as e:
+    except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
         fail(str(e))
     ranks = tools.processes(config.device)
     try:
@@ -232,7 +232,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         config, resolved = models.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
-    except (tools.ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
+    except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
             env.close()
@@ -256,6 +256,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
+        for line in models.ignored_keys(config):  # keys the update mode reads nowhere
+            print(f"warning: {line}", flush=True)
         if ranks.is_main:
             tools.save_config(config, logdir / "config.yaml")
             resources.save()
@@ -282,7 +284,7 @@ class Dreamer(nn.Module):
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
         self.task_behavior = models.ActorCritic(config, self.wm, act_space, self.extrinsic_reward)
-        self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
+        self.update = models.Update(config, self.wm, self.task_behavior)
         self.context = models.ReplayContext(config)
         self.expl_behavior = exploration.make_behavior(config, self.wm, act_space)
         compiler = models.COMPILERS[config.compile]
@@ -292,7 +294,7 @@ class Dreamer(nn.Module):
         """What compile 'update' compiles whole (models.compile_update): (owner, method name) of the
         update strategy's regions (its losses, optimizer steps and slow critic), the exploration's,
         and the policy step."""
-        regions = [*self.updater.regions(), (self, "act")]
+        regions = [*self.update.regions(), (self, "act")]
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
             regions += self.expl_behavior.regions()
         return regions
@@ -338,7 +340,7 @@ class Dreamer(nn.Module):
         latents of the T trained steps (models.ReplayContext.store), for the write-back."""
         data = self.wm.preprocess(batch if data is None else data)
         latent, data = self.context.split(data)  # the stored start latent; data (B, T, ...)
-        post, embed, metrics = self.updater.train_step(data, latent)  # world model and task actor-critic
+        post, embed, metrics = self.update.train_step(data, latent)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
         if self.expl_behavior is not None:
@@ -358,31 +360,42 @@ class Dreamer(nn.Module):
         for module in self.modules():
             if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
                 module.ranks = ranks
-            for value in vars(module).values():
-                if isinstance(value, models.Optimizer):
-                    value.ranks = ranks
-        if self.updater.optimizer is not None:  # the joint optimizer lives outside the modules
-            self.updater.optimizer.ranks = ranks
+        for optimizer in self.optimizers().values():
+            optimizer.ranks = ranks
         ranks.broadcast_(self.state_dict().values())
 
-    def optimizer_state(self):
-        state = {"model": self.wm.optimizer.state_dict(), "task": self.task_behavior.optimizer_state()}
-        if self.updater.optimizer is not None:
-            state["update"] = self.updater.optimizer.state_dict()
+    def optimizers(self):
+        """Every optimizer this agent steps, by its place in the checkpoint: model, task/actor and
+        task/critic under update 'sequential', update under 'joint' (models.UPDATES); expl/... for
+        Plan2Explore's ensemble and actor-critic."""
+        names = {"model": "model", "actor": "task/actor", "critic": "task/critic", "joint": "update"}
+        found = {names[name]: opt for name, (opt, _) in self.update.optimizers.items()}
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
-            state["expl"] = {"ensemble": self.expl_behavior.optimizer.state_dict(),
-                             "behavior": self.expl_behavior.behavior.optimizer_state()}
+            found["expl/ensemble"] = self.expl_behavior.optimizer
+            found.update({f"expl/behavior/{name}": opt for name, (opt, _) in self.expl_behavior.optimizers.items()})
+        return found
+
+    def optimizer_state(self):
+        """The optimizers' states as a nest of dicts by their names (see `optimizers`)."""
+        state = {}
+        for name, optimizer in self.optimizers().items():
+            *path, last = name.split("/")
+            node = state
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = optimizer.state_dict()
         return state
 
     def load_optimizer_state(self, state):
-        """Returns the optimizer settings of this config that replace differing saved ones."""
-        changes = self.wm.optimizer.load_state_dict(state["model"])
-        changes += self.task_behavior.load_optimizer_state(state["task"])
-        if self.updater.optimizer is not None:
-            changes += self.updater.optimizer.load_state_dict(state["update"])
-        if "expl" in state:
-            changes += self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
-            changes += self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+        """Returns the optimizer settings of this config that replace differing saved ones. A state
+        saved under update 'joint' before its unused per-network optimizers were dropped holds them
+        too: they are not read."""
+        changes = []
+        for name, optimizer in self.optimizers().items():
+            node = state
+            for part in name.split("/"):
+                node = node[part]
+            changes += optimizer.load_state_dict(node)
         return changes
 
 # ==================================================================================================

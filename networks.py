@@ -81,6 +81,8 @@ def reinit(module, winit):
     weights (and the random stream) untouched."""
     if winit == "fan_avg":
         return module
+    if winit != "fan_in":
+        raise ValueError(f"winit '{winit}' has no rule; valid: {', '.join(WINITS)}")
     for m in module.modules():
         if hasattr(m, "init_scale"):
             init_(m, m.init_scale, fan="in")
@@ -267,7 +269,7 @@ def channel_norm(norm, channels):
 def conv_stages(size, minres):
     stages = int(np.log2(size) - np.log2(minres))
     if 2 ** stages * minres != size:
-        raise ValueError(f"Image size {size} must be minres ({minres}) times a power of two")
+        raise tools.ConfigError(f"Image size {size} must be minres ({minres}) times a power of two")
     return stages
 
 
@@ -415,7 +417,7 @@ class MultiEncoder(nn.Module):
         self.cnn_shapes, self.mlp_shapes = tools.select_keys(obs_space, config.cnn_keys, config.mlp_keys)
         if not self.cnn_shapes and not self.mlp_shapes:
             keys = ", ".join(k for k in obs_space if k not in ("is_first", "is_last", "is_terminal"))
-            raise ValueError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
+            raise tools.ConfigError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
                              f"match no observation; available keys: {keys}")
         self.outdim = 0
         if self.cnn_shapes:
@@ -452,10 +454,12 @@ class MultiDecoder(nn.Module):
             if config.cnn == "transposed":
                 self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
                                        config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
-            else:  # needs deter apart from the stochastic state: feat is [stoch, deter]
+            elif config.cnn == "upsample":  # needs deter apart from the stochastic state: feat is [stoch, deter]
                 self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
                                                config.cnn_depth, config.kernel_size, config.minres, config.act,
                                                config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
+            else:
+                raise ValueError(f"decoder.cnn '{config.cnn}' has no decoder; valid: transposed, upsample")
         if self.mlp_shapes:  # one MLP for all vector keys, its output split between them
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
@@ -506,7 +510,7 @@ class BlockLinear(nn.Module):
     def __init__(self, inp, out, blocks, bias=True):
         super().__init__()
         if inp % blocks or out % blocks:
-            raise ValueError(f"BlockLinear sizes {inp} -> {out} must be divisible by blocks ({blocks})")
+            raise tools.ConfigError(f"BlockLinear sizes {inp} -> {out} must be divisible by blocks ({blocks})")
         self.in_features, self.out_features, self.blocks = inp, out, blocks
         self.weight = nn.Parameter(torch.empty(blocks, inp // blocks, out // blocks))
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
@@ -573,9 +577,13 @@ class RSSM(nn.Module):
         if config.dyn_cell == "gru":
             self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
             self.cell = GRUCell(hidden, self.deter, norm)
-        else:  # the block GRU embeds deter, stoch and action itself
+        elif config.dyn_cell == "blockgru":  # the block GRU embeds deter, stoch and action itself
             self.img_in = nn.Identity()
             self.cell = BlockGRUCell(stoch_flat, action_size, hidden, self.deter, config.dyn_blocks, act, norm)
+        else:
+            raise ValueError(f"dyn_cell '{config.dyn_cell}' has no cell; valid: gru, blockgru")
+        if config.initial not in ("learned", "zeros"):
+            raise ValueError(f"initial '{config.initial}' has no initial state; valid: learned, zeros")
         img_layers = [dense(self.deter if i == 0 else hidden, hidden, act, norm) for i in range(config.dyn_img_layers)]
         self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
@@ -683,17 +691,17 @@ class RSSM(nn.Module):
 
     # -- loss ---------------------------------------------------------------------------------
 
-    def kl_loss(self, post, prior, free, dyn_scale, rep_scale):
-        """KL balancing with free nats (Eq. 5 of the paper), per step (B, T):
+    def kl_loss(self, post, prior, free):
+        """KL balancing with free nats (Eq. 5 of the paper), per step (B, T): the two terms
 
-        dyn = max(free, KL[sg(post) || prior]),  rep = max(free, KL[post || sg(prior)]).
+        dyn = max(free, KL[sg(post) || prior]),  rep = max(free, KL[post || sg(prior)]),
+
+        which models.loss_scales weighs, and the two KLs before the free nats (for the metrics).
         """
         sg = lambda s: {k: v.detach() for k, v in s.items()}  # noqa: E731
         raw_dyn = self.kl(sg(post), prior)
         raw_rep = self.kl(post, sg(prior))
-        dyn = torch.clamp(raw_dyn, min=free)
-        rep = torch.clamp(raw_rep, min=free)
-        return dyn_scale * dyn + rep_scale * rep, raw_dyn, raw_rep
+        return torch.clamp(raw_dyn, min=free), torch.clamp(raw_rep, min=free), raw_dyn, raw_rep
 
     def kl(self, lhs, rhs):
         if self.discrete:
@@ -711,6 +719,8 @@ VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vect
 # constructors take them on trust.
 CHOICES = {
     "act": tuple(ACTIVATIONS),
+    "encoder.act": tuple(ACTIVATIONS),
+    "decoder.act": tuple(ACTIVATIONS),
     "norm": NORMS,
     "encoder.norm": NORMS,
     "decoder.norm": NORMS,
@@ -721,7 +731,6 @@ CHOICES = {
     "dyn_std_act": tuple(STD_ACTS),
     "encoder.cnn": tuple(IMAGE_ENCODERS),
     "decoder.cnn": ("transposed", "upsample"),
-    "decoder.image_dist": ("mse",),
     "decoder.vector_dist": tuple(VECTOR_DISTS),
     "actor.dist": ("auto", "normal", "onehot"),  # auto: settled by models.resolve_auto
 }

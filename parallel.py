@@ -694,7 +694,7 @@ def wrap_tasks(config, tasks, handles, assignment):
     try:
         obs_space, act_space = envs.common_spaces([tasks[task] for task in present], obs_spaces,
                                                   [one[task].act_space for task in present], used, noops)
-    except ValueError as e:
+    except envs.TaskError as e:
         raise tools.ConfigError(str(e)) from None
     return [envs.wrappers.TaskEnv(env, task, obs_space, act_space, envs.noop_action(tasks[task]))
             for env, task in zip(handles, assignment)]
