@@ -241,10 +241,10 @@ def run_processes(config, logdir, device_note, changed, ranks):
         try:
             if config.eval_only:
                 return evaluate_checkpoint(config, agent, logdir, eval_envs)
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # reads, writes nothing
             logdir.mkdir(parents=True, exist_ok=True)
             if ranks.is_main:
                 lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
@@ -474,6 +474,10 @@ class Trainer:
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
         self.notes = [stored.note]  # lines for the start-up summary
+        length = config.batch_length + agent.context.steps
+        if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
+            raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
+                                    f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
         self.checkpoints = Checkpoints(self, logdir / "latest.pt")
         self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
@@ -1142,7 +1146,8 @@ def compile_note(config, auto=None):
                 "grows with batch_length and imag_horizon")
     gain = gain if cpu else "the first updates include compilation"
     reason = f"auto: {auto}; " if auto is not None else ""
-    return f"{what} ({reason}{gain}; {other}; --compile False turns it off)"
+    # The one compile-failure policy (networks.CompileError): what cannot be compiled is an error.
+    return f"{what} ({reason}{gain}; {other}; --compile False turns it off; a failure to compile stops the run)"
 
 
 def actor_note(config, resolved):

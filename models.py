@@ -951,9 +951,7 @@ def optimize(losses):
 # ==================================================================================================
 
 
-class CompileError(RuntimeError):
-    """A region of compile 'update' cannot be compiled as one graph; the message names it and the
-    fallbacks. It is never run eagerly instead."""
+CompileError = networks.CompileError  # of both compile modes: a failure is never an eager fallback
 
 
 class Region:
@@ -961,10 +959,6 @@ class Region:
     silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
     (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
     are cloned for the caller (metrics are kept until the log interval)."""
-
-    # A graph break, a compiler failure, a trace error, or more variants than the recompile limit
-    # (which dynamo would otherwise run eagerly from then on).
-    FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
     def __init__(self, fn, name, cuda_graphs):
         self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
@@ -977,10 +971,9 @@ class Region:
             torch.compiler.cudagraph_mark_step_begin()
         try:
             result = self.compiled(*args, **kwargs)
-        except self.FAILURES as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CompileError(f"compile 'update': {self.name} cannot be compiled as one graph ({reason}); "
-                               "--compile True compiles step by step, --compile False runs eagerly") from e
+        except networks.COMPILE_FAILURES as e:
+            raise networks.compile_failure("'update'", f"{self.name} as one graph", e, "--compile True compiles step "
+                                           "by step, --compile False runs eagerly") from e
         self.calls += 1
         if self.cuda_graphs:
             result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
@@ -996,6 +989,7 @@ def compile_steps(agent, bodies):
     # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
     # (past which the rest would silently run eagerly).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
     rssm = agent.wm.rssm
     rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
     rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")

@@ -1,7 +1,6 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -12,27 +11,39 @@ import tools
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
 
 
+class CompileError(RuntimeError):
+    """A function that compile asked for cannot be compiled: the message names it and the
+    fallbacks. The one compile-failure policy, of `compile True` (Compiled) and `compile update`
+    (models.Region) alike: what was asked to compile never runs eagerly instead."""
+
+
+# A compiler failure (no C++ compiler, an unsupported operator, a graph break where one graph is
+# required) or more variants than dynamo's recompile limit (past which it would run eagerly).
+COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
+def compile_failure(mode, name, error, fallbacks):
+    """The CompileError for `error` raised while compiling `name` under compile `mode`."""
+    reason = " ".join(str(error).split())[:200] or type(error).__name__
+    return CompileError(f"compile {mode}: {name} cannot be compiled ({reason}); {fallbacks}")
+
+
 class Compiled:
-    """torch.compile(fn) that falls back to eager, with one warning, where compilation fails
-    (no C++ compiler, an unsupported platform). A genuine error in fn re-raises from the eager call."""
+    """torch.compile(fn), for `compile True`. Where compilation fails it is a CompileError naming
+    the function (COMPILE_FAILURES); any other error is fn's own and keeps its traceback."""
 
     def __init__(self, fn, name):
         self.eager, self.name = fn, name
         self.compiled = torch.compile(fn)
-        self.failed = False
         self.calls = 0  # calls that ran the compiled code
 
     def __call__(self, *args, **kwargs):
-        if not self.failed:
-            try:
-                result = self.compiled(*args, **kwargs)
-                self.calls += 1
-                return result
-            except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
-                warnings.warn(f"torch.compile of {self.name} failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "running it eagerly", stacklevel=2)
-                self.failed = True
-        return self.eager(*args, **kwargs)
+        try:
+            result = self.compiled(*args, **kwargs)
+        except COMPILE_FAILURES as e:
+            raise compile_failure("True", self.name, e, "--compile False runs eagerly") from e
+        self.calls += 1
+        return result
 
 
 def init_(module, scale=1.0, fan="avg"):
