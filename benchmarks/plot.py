@@ -379,7 +379,8 @@ def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
             low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
                          else (agg["min"], agg["max"]))
             spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
-            label = f"this project{where}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
+            head = where.strip() if where.strip() in group["named"] else f"this project{where}"  # NAME=PATH: NAME
+            label = f"{head}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
             marker = "o" if len(agg["frames"]) < 20 else None
             ax.plot(agg["frames"], agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
             if n > 1:
