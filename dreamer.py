@@ -649,7 +649,7 @@ class SyncLoop:
     def __init__(self, trainer):
         self.trainer = trainer
         config = trainer.config
-        self.schedule = tools.Ratio(config.train_ratio, config.batch_size * config.batch_length)
+        self.schedule = tools.Ratio(config.train_ratio, tools.replayed_per_update(config))
 
     def run(self):
         trainer = self.trainer
@@ -684,7 +684,7 @@ class AsyncLoop:
     def __init__(self, trainer):
         self.trainer = trainer
         config = trainer.config
-        self.schedule = tools.SamplesPerInsert(config.train_ratio, config.batch_size * config.batch_length,
+        self.schedule = tools.SamplesPerInsert(config.train_ratio, tools.replayed_per_update(config),
                                                config.ratio_tolerance)
         self.stop, self.done = threading.Event(), threading.Event()
         self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
@@ -964,7 +964,7 @@ class RunLog:
                            ("replay_steps", len(trainer.replay))):
             self.logger.scalar(f"perf/{key}", value)
         if steps > self.last_log[1]:  # replayed steps per policy step since the last log
-            ratio = (counters.updates - self.last_log[2]) * config.batch_size * config.batch_length
+            ratio = (counters.updates - self.last_log[2]) * tools.replayed_per_update(config)
             self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
         busy = {f"{name}_busy" if name in ("learner", "env") else name: value
                 for name, value in trainer.stopwatch.fractions().items()}

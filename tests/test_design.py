@@ -330,6 +330,34 @@ def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
         behavior.loss(start, torch.ones(4))
 
 
+def ratio_divisions(path):
+    """The functions of a module that divide a train ratio (a name ending in `ratio`)."""
+    found = set()
+    for func in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                names = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.left)
+                         if isinstance(n, (ast.Name, ast.Attribute))]
+                if any(name.endswith("ratio") for name in names):
+                    found.add(func.name)
+    return found
+
+
+def test_the_train_ratio_arithmetic_is_written_once():
+    """Updates owed = steps x train_ratio / replayed steps per update, in tools.updates_owed alone:
+    the loops' schedules, the rate limiter, the run's total and the resource sizing call it."""
+    found = {f"{path.stem}.{name}" for path in sorted(ROOT.glob("*.py")) for name in ratio_divisions(path)}
+    # RunLog.log divides the other way: the train ratio measured since the last log, for perf/train_ratio.
+    assert found == {"tools.updates_owed", "dreamer.log"}, found
+    config = dreamer.parse(["--configs", "debug", "--train_ratio", "3", "--batch_size", "2", "--batch_length", "5",
+                            "--steps", "100", "--prefill", "10", "--pretrain", "4", "--action_repeat", "2"])
+    assert tools.replayed_per_update(config) == 10
+    assert tools.Ratio(3, 10).owed(7) == int(tools.updates_owed(7, 3, 10)) == 2
+    assert tools.total_updates(config) == 4 + int(90 / 2 * 3 / 10)  # 45 policy steps after the prefill
+
+
 # -- imports in one direction ----------------------------------------------------------------------
 
 # What each module may import of the project: dreamer.py -> exploration -> models -> networks ->
