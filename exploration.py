@@ -208,3 +208,12 @@ CHOICES = {
     "expl_behavior": ("greedy", "random", "plan2explore"),
     "disag_target": tuple(Plan2Explore.TARGETS),
 }
+
+# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
+# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
+RANGES = {
+    "expl_until": (tools.at_least(0), "a whole number >= 0"),
+    "disag_models": (tools.at_least(1), "a whole number >= 1"),
+    "disag_units": (tools.at_least(1), "a whole number >= 1"),
+    "disag_offset": (tools.at_least(0), "a whole number >= 0"),
+}

@@ -1,9 +1,10 @@
 """The world model and the actor-critic that learns inside it (Sections 2 and 3 of the paper).
 
 In the order a reader looks for them: precision and profiling helpers, 1. the world model and the
-one table of loss scales, 2. returns and their normalisation, 3. the actor-critic, 4. the update
-strategies (which optimizers step on which losses), 5. the replay context, 6. optimizers, and last
-the choices this module owns and the settling of their `auto` values.
+one table of loss scales, 2. the λ-return and return normalisation, 3. the actor-critic, 4. the
+update: `Update.train_step`, the whole loss in the official order (# World model, # Imagination,
+# Replay) and the optimizers each update mode steps it with, 5. the replay context, 6. optimizers,
+7. compilation, and last the choices this module owns and the settling of their `auto` values.
 """
 
 import contextlib
@@ -1045,6 +1046,38 @@ CHOICES = {
     "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
     "critic.dist": VALUE_DISTS,
     "reward_head.dist": VALUE_DISTS,
+}
+
+
+# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
+# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
+RANGES = {
+    "replay_context": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
+    "model_lr": (tools.positive, "a number > 0"),
+    "opt_eps": (tools.positive, "a number > 0"),
+    "actor.lr": (tools.positive, "a number > 0"),
+    "actor.eps": (tools.positive, "a number > 0"),
+    "critic.lr": (tools.positive, "a number > 0"),
+    "critic.eps": (tools.positive, "a number > 0"),
+    "weight_decay": (tools.at_least(0), "a number >= 0"),
+    "grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "actor.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "critic.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "agc": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "warmup": (tools.at_least(0), "a whole number >= 0"),
+    "critic.repval": (tools.at_least(0), "a number >= 0"),
+    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "discount_lambda": (tools.fraction, "a number in [0, 1]"),
+    "imag_horizon": (tools.at_least(1), "a whole number >= 1"),
+    "imag_gradient_mix": (tools.fraction, "a number in [0, 1]"),
+    "kl_free": (tools.at_least(0), "a number >= 0"),
+    "dyn_scale": (tools.at_least(0), "a number >= 0"),
+    "rep_scale": (tools.at_least(0), "a number >= 0"),
+    "critic.slow_target_update": (tools.at_least(1), "a whole number >= 1"),
+    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "actor.entropy": (tools.at_least(0), "a number >= 0"),
+    "reward_head.loss_scale": (tools.at_least(0), "a number >= 0"),
+    "cont_head.loss_scale": (tools.at_least(0), "a number >= 0"),
 }
 
 

@@ -985,6 +985,21 @@ def flatten(mapping, prefix=""):
     return out
 
 
+def at_least(low):
+    """A RANGES predicate (value, flat config) -> whether value >= low."""
+    return lambda v, flat: v >= low
+
+
+def positive(v, flat):
+    """A RANGES predicate: value > 0."""
+    return v > 0
+
+
+def fraction(v, flat):
+    """A RANGES predicate: value in [0, 1]."""
+    return 0 <= v <= 1
+
+
 def valid_regex(text):
     try:
         re.compile(text)

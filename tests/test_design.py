@@ -291,6 +291,19 @@ def test_every_choice_is_declared_by_one_module():
     assert set(keys) <= set(defaults), set(keys) - set(defaults)
 
 
+def test_every_range_is_declared_by_one_module():
+    """Each module declares the ranges of the keys it reads (networks, models, exploration; the
+    run's own in dreamer.RUN_RANGES); parse checks the one merged table."""
+    tables = [networks.RANGES, models.RANGES, exploration.RANGES, dreamer.RUN_RANGES]
+    keys = [key for table in tables for key in table]
+    assert len(keys) == len(set(keys)), "a range declared twice"
+    assert set(keys) == set(dreamer.RANGES)
+    defaults = tools.flatten(tools.load_presets()["defaults"])
+    assert set(keys) <= set(defaults), set(keys) - set(defaults)
+    assert set(models.RANGES) >= {"model_lr", "actor.lr", "critic.repval", "discount", "imag_horizon"}
+    assert set(networks.RANGES) >= {"dyn_deter", "units", "encoder.cnn_keys"}
+
+
 @pytest.mark.parametrize("key, value", [("encoder.act", "Swish"), ("decoder.act", "Swish")])
 def test_the_encoder_and_decoder_activations_are_validated(key, value):
     with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
