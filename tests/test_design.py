@@ -217,6 +217,9 @@ def test_optimizers_follow_the_update_mode():
     stepped = {id(p) for p in joint.optimizers()["update"].params}
     learners = [joint.wm, joint.task_behavior.actor, joint.task_behavior.critic]
     assert stepped == {id(p) for m in learners for p in m.parameters()}
+    # A joint checkpoint written while the per-network optimizers were still built holds them too: not read.
+    sequential_state = agent.optimizer_state()
+    assert joint.load_optimizer_state({**joint.optimizer_state(), **sequential_state}) == []
     p2e, _ = make_agent("--update", "joint", "--imag_gradient", "reinforce", "--expl_behavior", "plan2explore")
     assert set(p2e.optimizers()) == {"update", "expl/ensemble", "expl/behavior/actor", "expl/behavior/critic"}
 
