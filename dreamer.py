@@ -474,7 +474,7 @@ class Trainer:
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
         self.notes = [stored.note]  # lines for the start-up summary
-        length = config.batch_length + agent.context.steps
+        length = config.batch_length + (agent.context.steps if agent is not None else 0)
         if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
             raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
                                     f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
