@@ -11,7 +11,7 @@ summary, and last the run's own flag tables. Rerunning the same command resumes.
 
 The config machinery lives in tools.py (Configuration), episode files and the replay in
 storage.py, logging and progress in logs.py, experience collection and resource sizing in
-parallel.py, the world model, actor-critic and update strategies in models.py.
+parallel.py, the world model, actor-critic and the update (models.Update.train_step) in models.py.
 """
 
 import collections

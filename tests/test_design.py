@@ -1,7 +1,8 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
-that no term escapes, one loss function per learner shared by both update modes, a read-only
-config, choices declared once, and imports in one direction (compilation of every network a preset
-builds: tests/test_compile.py)."""
+that no term escapes, one train step in the official three parts shared by both update modes (which
+only choose the optimizers), a read-only config, choices and ranges declared once beside their
+readers, exhaustive dispatch, the train-ratio arithmetic in one place, and imports in one direction
+(compilation of every network a preset builds: tests/test_compile.py)."""
 
 import ast
 import pathlib
