@@ -1049,15 +1049,21 @@ CHOICES = {
 }
 
 
+def learning_rate(v, flat):
+    """Every optimizer is adaptive (OPTIMIZERS), so an update moves each weight by about the learning
+    rate: above 1 the weights overflow within a few updates."""
+    return 0 < v <= 1
+
+
 # The ranges of the keys this module reads, checked with CHOICES when the config is parsed
 # (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
 RANGES = {
     "replay_context": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
-    "model_lr": (tools.positive, "a number > 0"),
+    "model_lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "opt_eps": (tools.positive, "a number > 0"),
-    "actor.lr": (tools.positive, "a number > 0"),
+    "actor.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "actor.eps": (tools.positive, "a number > 0"),
-    "critic.lr": (tools.positive, "a number > 0"),
+    "critic.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "critic.eps": (tools.positive, "a number > 0"),
     "weight_decay": (tools.at_least(0), "a number >= 0"),
     "grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
