@@ -973,8 +973,8 @@ class Region:
         try:
             result = self.compiled(*args, **kwargs)
         except networks.COMPILE_FAILURES as e:
-            raise networks.compile_failure("'update'", f"{self.name} as one graph", e, "--compile True compiles step "
-                                           "by step, --compile False runs eagerly") from e
+            raise networks.compile_failure("'update'", self.name, e, "--compile True compiles step by step, "
+                                           "--compile False runs eagerly", how=" as one graph") from e
         self.calls += 1
         if self.cuda_graphs:
             result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)

@@ -22,10 +22,10 @@ class CompileError(RuntimeError):
 COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
-def compile_failure(mode, name, error, fallbacks):
-    """The CompileError for `error` raised while compiling `name` under compile `mode`."""
+def compile_failure(mode, name, error, fallbacks, how=""):
+    """The CompileError for `error` raised while compiling `name` (`how`: as one graph) under compile `mode`."""
     reason = " ".join(str(error).split())[:200] or type(error).__name__
-    return CompileError(f"compile {mode}: {name} cannot be compiled ({reason}); {fallbacks}")
+    return CompileError(f"compile {mode}: {name} cannot be compiled{how} ({reason}); {fallbacks}")
 
 
 class Compiled:
