@@ -11,7 +11,7 @@ summary, and last the run's own flag tables. Rerunning the same command resumes.
 
 The config machinery lives in tools.py (Configuration), episode files and the replay in
 storage.py, logging and progress in logs.py, experience collection and resource sizing in
-parallel.py, the world model, actor-critic and update strategies in models.py.
+parallel.py, the world model, actor-critic and the update (models.Update.train_step) in models.py.
 """
 
 import collections
@@ -93,7 +93,7 @@ def main(argv=None):
 def run(argv):
     try:
         config, logdir, device_note, changed = setup(argv)
-    except (tools.ConfigError, ValueError) as e:
+    except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
         fail(str(e))
     ranks = tools.processes(config.device)
     try:
@@ -265,7 +265,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
-    except (tools.ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
+    except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
             env.close()
@@ -274,10 +274,10 @@ def run_processes(config, logdir, device_note, changed, ranks):
         try:
             if config.eval_only:
                 return evaluate_checkpoint(config, agent, logdir, eval_envs)
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a new logdir: nothing written yet
             logdir.mkdir(parents=True, exist_ok=True)
             if ranks.is_main:
                 lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
         if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
@@ -295,6 +295,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             print(line, flush=True)
         for line in changed:
             print(f"warning: differs from the saved config: {line}", flush=True)
+        for line in models.ignored_keys(config):  # keys the update mode reads nowhere
+            print(f"warning: {line}", flush=True)
         if ranks.is_main:
             tools.save_config(config, logdir / "config.yaml")
             resources.save()
@@ -356,7 +358,7 @@ class Dreamer(nn.Module):
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
         self.task_behavior = models.ActorCritic(config, self.wm, act_space, self.extrinsic_reward)
-        self.updater = models.UPDATES[config.update](config, self.wm, self.task_behavior)
+        self.update = models.Update(config, self.wm, self.task_behavior)
         self.context = models.ReplayContext(config)
         self.expl_behavior = exploration.make_behavior(config, self.wm, act_space)
         compiler = models.COMPILERS[config.compile]
@@ -366,7 +368,7 @@ class Dreamer(nn.Module):
         """What compile 'update' compiles whole (models.compile_update): (owner, method name) of the
         update strategy's regions (its losses, optimizer steps and slow critic), the exploration's,
         and the policy step."""
-        regions = [*self.updater.regions(), (self, "act")]
+        regions = [*self.update.regions(), (self, "act")]
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
             regions += self.expl_behavior.regions()
         return regions
@@ -412,7 +414,7 @@ class Dreamer(nn.Module):
         latents of the T trained steps (models.ReplayContext.store), for the write-back."""
         data = self.wm.preprocess(batch if data is None else data)
         latent, data = self.context.split(data)  # the stored start latent; data (B, T, ...)
-        post, embed, metrics = self.updater.train_step(data, latent)  # world model and task actor-critic
+        post, embed, metrics = self.update.train_step(data, latent)  # world model and task actor-critic
         start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
         start_cont = data["cont"].reshape(-1)
         if self.expl_behavior is not None:
@@ -432,31 +434,42 @@ class Dreamer(nn.Module):
         for module in self.modules():
             if isinstance(module, (models.ReturnNorm, exploration.Plan2Explore)):
                 module.ranks = ranks
-            for value in vars(module).values():
-                if isinstance(value, models.Optimizer):
-                    value.ranks = ranks
-        if self.updater.optimizer is not None:  # the joint optimizer lives outside the modules
-            self.updater.optimizer.ranks = ranks
+        for optimizer in self.optimizers().values():
+            optimizer.ranks = ranks
         ranks.broadcast_(self.state_dict().values())
 
-    def optimizer_state(self):
-        state = {"model": self.wm.optimizer.state_dict(), "task": self.task_behavior.optimizer_state()}
-        if self.updater.optimizer is not None:
-            state["update"] = self.updater.optimizer.state_dict()
+    def optimizers(self):
+        """Every optimizer this agent steps, by its place in the checkpoint: model, task/actor and
+        task/critic under update 'sequential', update under 'joint' (models.UPDATES); expl/... for
+        Plan2Explore's ensemble and actor-critic."""
+        names = {"model": "model", "actor": "task/actor", "critic": "task/critic", "joint": "update"}
+        found = {names[name]: opt for name, (opt, _) in self.update.optimizers.items()}
         if isinstance(self.expl_behavior, exploration.Plan2Explore):
-            state["expl"] = {"ensemble": self.expl_behavior.optimizer.state_dict(),
-                             "behavior": self.expl_behavior.behavior.optimizer_state()}
+            found["expl/ensemble"] = self.expl_behavior.optimizer
+            found.update({f"expl/behavior/{name}": opt for name, (opt, _) in self.expl_behavior.optimizers.items()})
+        return found
+
+    def optimizer_state(self):
+        """The optimizers' states as a nest of dicts by their names (see `optimizers`)."""
+        state = {}
+        for name, optimizer in self.optimizers().items():
+            *path, last = name.split("/")
+            node = state
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = optimizer.state_dict()
         return state
 
     def load_optimizer_state(self, state):
-        """Returns the optimizer settings of this config that replace differing saved ones."""
-        changes = self.wm.optimizer.load_state_dict(state["model"])
-        changes += self.task_behavior.load_optimizer_state(state["task"])
-        if self.updater.optimizer is not None:
-            changes += self.updater.optimizer.load_state_dict(state["update"])
-        if "expl" in state:
-            changes += self.expl_behavior.optimizer.load_state_dict(state["expl"]["ensemble"])
-            changes += self.expl_behavior.behavior.load_optimizer_state(state["expl"]["behavior"])
+        """Returns the optimizer settings of this config that replace differing saved ones. A state
+        saved under update 'joint' before its unused per-network optimizers were dropped holds them
+        too: they are not read."""
+        changes = []
+        for name, optimizer in self.optimizers().items():
+            node = state
+            for part in name.split("/"):
+                node = node[part]
+            changes += optimizer.load_state_dict(node)
         return changes
 
 # ==================================================================================================
@@ -539,6 +552,10 @@ class Trainer:
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
         self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
+        length = config.batch_length + (agent.context.steps if agent is not None else 0)
+        if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
+            raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
+                                    f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
         self.checkpoints = Checkpoints(self, logdir / "latest.pt")
         self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
@@ -741,7 +758,7 @@ class SyncLoop:
     def __init__(self, trainer):
         self.trainer = trainer
         config = trainer.config
-        self.schedule = tools.Ratio(config.train_ratio, config.batch_size * config.batch_length)
+        self.schedule = tools.Ratio(config.train_ratio, tools.replayed_per_update(config))
 
     def run(self):
         trainer = self.trainer
@@ -776,7 +793,7 @@ class AsyncLoop:
     def __init__(self, trainer):
         self.trainer = trainer
         config = trainer.config
-        self.schedule = tools.SamplesPerInsert(config.train_ratio, config.batch_size * config.batch_length,
+        self.schedule = tools.SamplesPerInsert(config.train_ratio, tools.replayed_per_update(config),
                                                config.ratio_tolerance)
         self.stop, self.done = threading.Event(), threading.Event()
         self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
@@ -1069,7 +1086,7 @@ class RunLog:
                            ("replay_steps", len(trainer.replay))):
             self.logger.scalar(f"perf/{key}", value)
         if steps > self.last_log[1]:  # replayed steps per policy step since the last log
-            ratio = (counters.updates - self.last_log[2]) * config.batch_size * config.batch_length
+            ratio = (counters.updates - self.last_log[2]) * tools.replayed_per_update(config)
             self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
         busy = {f"{name}_busy" if name in ("learner", "env") else name: value
                 for name, value in trainer.stopwatch.fractions().items()}
@@ -1257,7 +1274,8 @@ def compile_note(config, auto=None):
                 "grows with batch_length and imag_horizon")
     gain = gain if cpu else "the first updates include compilation"
     reason = f"auto: {auto}; " if auto is not None else ""
-    return f"{what} ({reason}{gain}; {other}; --compile False turns it off)"
+    # The one compile-failure policy (networks.CompileError): what cannot be compiled is an error.
+    return f"{what} ({reason}{gain}; {other}; --compile False turns it off; a failure to compile stops the run)"
 
 
 def actor_note(config, resolved):
@@ -1281,98 +1299,37 @@ CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.C
 COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parallel.Resources)
 
 # Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
-# config), what is valid). A key absent from a config is not checked.
-_at_least = lambda low: (lambda v, flat: v >= low)  # noqa: E731
-_positive = lambda v, flat: v > 0  # noqa: E731
-_fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
-# Every optimizer is adaptive (models.OPTIMIZERS), so an update moves each weight by about the learning
-# rate: above 1 the weights overflow within a few updates.
-_learning_rate = lambda v, flat: 0 < v <= 1  # noqa: E731
-
-
-RANGES = {
-    "steps": (_at_least(0), "a whole number >= 0"),
+# config), what is valid). A key absent from a config is not checked. Each module declares the
+# ranges of the keys it reads; these are the run's own (its budget, schedules, replay and loops).
+RUN_RANGES = {
+    "steps": (tools.at_least(0), "a whole number >= 0"),
     "seed": (lambda v, flat: isinstance(v, int) and 0 <= v < 2**31, "a whole number in [0, 2^31)"),
     "envs": (lambda v, flat: v == "auto" or (isinstance(v, int) and v >= (0 if offline(flat) else 1)),
              "auto or a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
-    "action_repeat": (_at_least(1), "a whole number >= 1"),
+    "action_repeat": (tools.at_least(1), "a whole number >= 1"),
     "size": (lambda v, flat: len(v) == 2 and all(isinstance(x, int) and x >= 1 for x in v),
              "two whole numbers >= 1, e.g. 64,64"),
-    "time_limit": (_at_least(0), "a whole number >= 0 (0 for none)"),
-    "prefill": (_at_least(0), "a whole number >= 0"),
-    "pretrain": (_at_least(0), "a whole number >= 0"),
-    "eval_every": (_at_least(0), "a whole number >= 0"),
-    "env_timeout": (_positive, "a number > 0 (seconds)"),
-    "save_every": (_at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
+    "time_limit": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
+    "prefill": (tools.at_least(0), "a whole number >= 0"),
+    "pretrain": (tools.at_least(0), "a whole number >= 0"),
+    "eval_every": (tools.at_least(0), "a whole number >= 0"),
+    "env_timeout": (tools.positive, "a number > 0 (seconds)"),
+    "save_every": (tools.at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
     "chunk_size": (lambda v, flat: isinstance(v, int) and v >= 0, "a whole number >= 0 (0 for whole episodes only)"),
-    "eval_episode_num": (_at_least(0), "a whole number >= 0"),
-    "log_every": (_at_least(0), "a whole number >= 0"),
-    "expl_until": (_at_least(0), "a whole number >= 0"),
-    "noops": (_at_least(0), "a whole number >= 0"),
-    "dataset_size": (_at_least(1), "a whole number >= 1"),
-    "batch_size": (_at_least(1), "a whole number >= 1"),
-    "batch_length": (_at_least(1), "a whole number >= 1"),
-    "replay_context": (_at_least(0), "a whole number >= 0 (0 for none)"),
-    "train_ratio": (_positive, "a number > 0"),
+    "eval_episode_num": (tools.at_least(0), "a whole number >= 0"),
+    "log_every": (tools.at_least(0), "a whole number >= 0"),
+    "noops": (tools.at_least(0), "a whole number >= 0"),
+    "dataset_size": (tools.at_least(1), "a whole number >= 1"),
+    "batch_size": (tools.at_least(1), "a whole number >= 1"),
+    "batch_length": (tools.at_least(1), "a whole number >= 1"),
+    "train_ratio": (tools.positive, "a number > 0"),
     # Below one update of tolerance the learner and the actor can wait on each other for ever.
-    "ratio_tolerance": (_at_least(1), "a number >= 1 (updates)"),
-    "actor_sync_every": (_at_least(1), "a whole number >= 1"),
+    "ratio_tolerance": (tools.at_least(1), "a number >= 1 (updates)"),
+    "actor_sync_every": (tools.at_least(1), "a whole number >= 1"),
     "asynchronous": (lambda v, flat: not (v and flat.get("offline_traindir") and not flat.get("eval_only")),
                      "False with --offline_traindir (no environments for an actor to act in)"),
-    "model_lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "opt_eps": (_positive, "a number > 0"),
-    "actor.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "actor.eps": (_positive, "a number > 0"),
-    "critic.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "critic.eps": (_positive, "a number > 0"),
-    "weight_decay": (_at_least(0), "a number >= 0"),
-    "grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
-    "actor.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
-    "critic.grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
-    "agc": (_at_least(0), "a number >= 0 (0 for none)"),
-    "warmup": (_at_least(0), "a whole number >= 0"),
-    "critic.repval": (_at_least(0), "a number >= 0"),
-    "dyn_img_layers": (_at_least(1), "a whole number >= 1"),
-    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
-                   "a whole number >= 1 that divides --dyn_deter"),
-    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
-    "discount_lambda": (_fraction, "a number in [0, 1]"),
-    "imag_horizon": (_at_least(1), "a whole number >= 1"),
-    "imag_gradient_mix": (_fraction, "a number in [0, 1]"),
-    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "kl_free": (_at_least(0), "a number >= 0"),
-    "dyn_scale": (_at_least(0), "a number >= 0"),
-    "rep_scale": (_at_least(0), "a number >= 0"),
-    "dyn_hidden": (_at_least(1), "a whole number >= 1"),
-    "dyn_deter": (_at_least(1), "a whole number >= 1"),
-    "dyn_stoch": (_at_least(1), "a whole number >= 1"),
-    "dyn_discrete": (_at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
-    "dyn_rec_depth": (_at_least(1), "a whole number >= 1"),
-    "units": (_at_least(1), "a whole number >= 1"),
-    "critic.slow_target_update": (_at_least(1), "a whole number >= 1"),
-    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
-    "actor.min_std": (_positive, "a number > 0"),
-    "actor.absmax": (_at_least(0), "a number >= 0 (0 for unbounded samples)"),
-    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
-    "dyn_min_std": (_at_least(0), "a number >= 0"),
-    "actor.entropy": (_at_least(0), "a number >= 0"),
-    "reward_head.loss_scale": (_at_least(0), "a number >= 0"),
-    "cont_head.loss_scale": (_at_least(0), "a number >= 0"),
-    "encoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
-    "decoder.cnn_depth": (_at_least(1), "a whole number >= 1"),
-    "encoder.minres": (_at_least(1), "a whole number >= 1"),
-    "decoder.minres": (_at_least(1), "a whole number >= 1"),
-    "encoder.mlp_units": (_at_least(1), "a whole number >= 1"),
-    "decoder.mlp_units": (_at_least(1), "a whole number >= 1"),
-    "disag_models": (_at_least(1), "a whole number >= 1"),
-    "disag_units": (_at_least(1), "a whole number >= 1"),
-    "disag_offset": (_at_least(0), "a whole number >= 0"),
-    "encoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "encoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
 }
+RANGES = {**networks.RANGES, **models.RANGES, **exploration.RANGES, **RUN_RANGES}
 
 
 # Keys that may differ between a run and its resumption without a warning.

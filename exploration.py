@@ -83,12 +83,16 @@ class Plan2Explore(nn.Module):
         self.config = config
         self.wm = [world_model]  # a list keeps the world model out of this module's parameters
         if config.disag_models < 2:
-            raise ValueError(f"Invalid disag_models {config.disag_models}: disagreement needs at least 2 members")
+            raise tools.ConfigError(f"Invalid value '{config.disag_models}' for --disag_models: disagreement needs "
+                                    "at least 2 members")
         if not 0 <= config.disag_offset < config.batch_length:
-            raise ValueError(f"Invalid disag_offset {config.disag_offset}: must lie in [0, batch_length)")
+            raise tools.ConfigError(f"Invalid value '{config.disag_offset}' for --disag_offset: it must lie in "
+                                    "[0, batch_length)")
         rssm = world_model.rssm
         stoch = rssm.stoch * rssm.discrete if rssm.discrete else rssm.stoch
         sizes = {"stoch": stoch, "deter": rssm.deter, "embed": world_model.encoder.outdim, "feat": rssm.feat_size}
+        if config.disag_target not in sizes:
+            raise ValueError(f"disag_target '{config.disag_target}' has no target; valid: {', '.join(self.TARGETS)}")
         self.target_size = sizes[config.disag_target]
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
@@ -97,6 +101,7 @@ class Plan2Explore(nn.Module):
                                           config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
                                           warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
+        self.optimizers = models.behavior_optimizers(config, self.behavior)  # {name: (Optimizer, terms)}
         self.reward_stats = {}
 
     def actor(self, feat):
@@ -112,7 +117,11 @@ class Plan2Explore(nn.Module):
         if name == "deter":
             return post["deter"]
         feat = self.wm[0].rssm.get_feat(post)
-        return feat if name == "feat" else feat[..., :self.target_size]  # get_feat puts stoch first
+        if name == "feat":
+            return feat
+        if name == "stoch":
+            return feat[..., :self.target_size]  # get_feat puts stoch first
+        raise ValueError(f"disag_target '{name}' has no target; valid: {', '.join(self.TARGETS)}")
 
     def disagreement(self, inputs):  # (..., inp) -> (...)
         """Variance across members (unbiased, 1/(K-1) as in the paper), averaged over dimensions.
@@ -166,14 +175,15 @@ class Plan2Explore(nn.Module):
     def regions(self):
         """What compile 'update' compiles whole (models.compile_update): the ensemble's loss and
         optimizer step, and the exploration actor-critic's (models.behavior_regions)."""
-        return [(self, "ensemble_loss"), (self.optimizer.opt, "step"), *models.behavior_regions(self.behavior)]
+        return [(self, "ensemble_loss"), (self.optimizer.opt, "step"),
+                *models.behavior_regions(self.behavior, self.optimizers)]
 
     def train_step(self, start, start_cont, post, embed, data):
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
         # The actor's dynamics gradient flows through the ensemble; its weights need no gradient.
         with models.frozen(self.ensemble):  # the world model's are frozen by behavior_step
-            metrics.update(models.behavior_step(self.behavior, start, start_cont))
+            metrics.update(models.behavior_step(self.behavior, self.optimizers, start, start_cont))
         metrics.update(self.reward_stats)
         return metrics
 
@@ -185,7 +195,10 @@ def make_behavior(config, world_model, act_space):
         return None
     if config.expl_behavior == "random":
         return Random(config, act_space)
-    return Plan2Explore(config, world_model, act_space)
+    if config.expl_behavior == "plan2explore":
+        return Plan2Explore(config, world_model, act_space)
+    raise ValueError(f"expl_behavior '{config.expl_behavior}' has no behaviour; valid: "
+                     + ", ".join(CHOICES["expl_behavior"]))
 
 
 COMPILED = (Ensemble,)  # compiled like networks.COMPILED when compile is on
@@ -194,4 +207,13 @@ COMPILED = (Ensemble,)  # compiled like networks.COMPILED when compile is on
 CHOICES = {
     "expl_behavior": ("greedy", "random", "plan2explore"),
     "disag_target": tuple(Plan2Explore.TARGETS),
+}
+
+# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
+# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
+RANGES = {
+    "expl_until": (tools.at_least(0), "a whole number >= 0"),
+    "disag_models": (tools.at_least(1), "a whole number >= 1"),
+    "disag_units": (tools.at_least(1), "a whole number >= 1"),
+    "disag_offset": (tools.at_least(0), "a whole number >= 0"),
 }

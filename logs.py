@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import envs
-from tools import atomic_write_bytes
+from tools import ConfigError, atomic_write_bytes
 
 # ==================================================================================================
 # Back ends: TensorBoard, metrics.jsonl, metrics.csv, W&B
@@ -222,7 +222,7 @@ class WandbOutput:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ValueError(WANDB_MISSING) from None
+            raise ConfigError(WANDB_MISSING) from None
 
     def __init__(self, logdir, step, config):
         import wandb
@@ -265,15 +265,15 @@ LOGGERS = {"tensorboard": TensorBoardOutput, "jsonl": JsonlOutput, "csv": CsvOut
 
 
 def check_loggers(names):
-    """Raise ValueError, in one line, for a --logger list that names an unknown back end, names
+    """Raise ConfigError, in one line, for a --logger list that names an unknown back end, names
     none, or names one whose package is missing (wandb is optional). Writes nothing."""
     valid = ", ".join(LOGGERS)
     if isinstance(names, str) or not names:
-        raise ValueError(f"Invalid value '{names if isinstance(names, str) else ''}' for --logger; valid: one or "
+        raise ConfigError(f"Invalid value '{names if isinstance(names, str) else ''}' for --logger; valid: one or "
                          f"more of {valid}, comma-separated")
     for name in names:
         if name not in LOGGERS:
-            raise ValueError(f"Invalid value '{name}' for --logger; valid: one or more of {valid}, comma-separated")
+            raise ConfigError(f"Invalid value '{name}' for --logger; valid: one or more of {valid}, comma-separated")
     for name in dict.fromkeys(names):
         check = getattr(LOGGERS[name], "check", None)
         if check:

@@ -1,9 +1,10 @@
 """The world model and the actor-critic that learns inside it (Sections 2 and 3 of the paper).
 
 In the order a reader looks for them: precision and profiling helpers, 1. the world model and the
-one table of loss scales, 2. returns and their normalisation, 3. the actor-critic, 4. the update
-strategies (which optimizers step on which losses), 5. the replay context, 6. optimizers, and last
-the choices this module owns and the settling of their `auto` values.
+one table of loss scales, 2. the λ-return and return normalisation, 3. the actor-critic, 4. the
+update: `Update.train_step`, the whole loss in the official order (# World model, # Imagination,
+# Replay) and the optimizers each update mode steps it with, 5. the replay context, 6. optimizers,
+7. compilation, and last the choices this module owns and the settling of their `auto` values.
 """
 
 import contextlib
@@ -90,6 +91,9 @@ VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and criti
 # ==================================================================================================
 
 
+BEHAVIOR_TERMS = ("actor", "critic", "repval")  # the actor-critic's terms of the loss-scale table
+
+
 def loss_scales(config, decoder_keys):
     """The one table of loss scales, as the official code's `loss_scales`: every term of the world
     model's loss (each decoded observation key, reward, cont, and the KL's dyn and rep) and of the
@@ -118,21 +122,18 @@ class WorldModel(nn.Module):
         })
         for name in config.grad_heads:
             if name not in self.heads:
-                raise ValueError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
+                raise tools.ConfigError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
         unknown = [name for name in self.heads if name not in self.HEAD_LOSSES]
         if unknown:
             raise ValueError(f"World-model head '{unknown[0]}' has no loss in WorldModel.HEAD_LOSSES; "
                              f"known: {', '.join(self.HEAD_LOSSES)}")
         networks.reinit(self, config.winit)
         self.scales = loss_scales(config, self.heads["decoder"].keys)  # every term of every loss
-        self.terms = {*self.heads["decoder"].keys, "reward", "cont", "dyn", "rep"}  # this model's own
-        missing = self.terms - set(self.scales)
+        self.terms = set(self.scales) - set(BEHAVIOR_TERMS)  # this model's own
+        missing = {*self.heads["decoder"].keys, "reward", "cont", "dyn", "rep"} - self.terms
         if missing:
             raise ValueError("World-model loss terms without a scale in models.loss_scales: "
                              + ", ".join(sorted(missing)))
-        self.optimizer = Optimizer("model", self.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
-                                   warmup=config.warmup)
 
     def preprocess(self, obs):
         """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
@@ -154,29 +155,29 @@ class WorldModel(nn.Module):
         return self.encoder(flat).reshape(*lead, -1)
 
     def loss(self, data, start=None):
-        """World-model loss (Eq. 4-5) on a batch (B, T, ...) filtered from the latent `start`
-        (deter (B, D), stoch (B, S[, C]); None: the initial state); returns loss, posterior,
-        embed, metrics."""
+        """The world model's loss terms (Eq. 4-5) on a batch (B, T, ...) filtered from the latent
+        `start` (deter (B, D), stoch (B, S[, C]); None: the initial state): {term: (B, T)}, unscaled
+        (models.Update scales and sums them), the posterior, the embedding and metrics (the scaled
+        terms' means; dyn_loss and rep_loss are the KLs before the free nats)."""
         config = self.config
         embed = self.embed(data)  # (B, T, E)
         post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
         scales = self.scales
-        kl, dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free, scales["dyn"], scales["rep"])
         feat = self.rssm.get_feat(post)  # (B, T, F)
-        losses = {}  # term: (B, T), scaled
+        losses = {}  # term: (B, T)
         for name, head in self.heads.items():
             pred = head(feat if name in config.grad_heads else feat.detach())
-            for term, value in self.HEAD_LOSSES[name](self, pred, data).items():
-                losses[term] = value * scales[term]
-        if set(losses) | {"dyn", "rep"} != self.terms:
-            raise ValueError(f"World-model loss terms {sorted(set(losses) | {'dyn', 'rep'})} differ from the "
-                             f"scaled ones {sorted(self.terms)} (models.loss_scales)")
-        loss = (sum(losses.values()) + kl).mean()
-        metrics = {f"{k}_loss": v.detach().mean() for k, v in losses.items()}
+            losses.update(self.HEAD_LOSSES[name](self, pred, data))
+        metrics = {f"{k}_loss": (v * scales[k]).detach().mean() for k, v in losses.items()}
+        losses["dyn"], losses["rep"], dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free)
+        if set(losses) != self.terms:
+            raise ValueError(f"World-model loss terms {sorted(losses)} differ from the scaled ones "
+                             f"{sorted(self.terms)} (models.loss_scales)")
+        kl = scales["dyn"] * losses["dyn"] + scales["rep"] * losses["rep"]
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
                        post_entropy=self.rssm.dist(post).entropy().detach().mean())
-        return loss, post, embed, metrics
+        return losses, post, embed, metrics
 
     def decoder_loss(self, pred, data):  # {key: dist} -> {key: (B, T)}
         return {key: -dist.log_prob(data[key]) for key, dist in pred.items()}
@@ -232,35 +233,31 @@ class WorldModel(nn.Module):
 
 
 def lambda_return(reward, cont, value, discount, lambda_):
-    """λ-returns (Eq. 7), computed backwards from the bootstrap value.
+    """λ-returns (Eq. 7), computed backwards from the bootstrap value, time first: the imagined
+    returns and the replayed ones of the replay value loss (ActorCritic.replay_loss) alike.
 
-    Inputs are (H, N) for imagined steps 1..H: reward r_t, continue flag c_t and value v_t.
-    Output (H, N) for steps 0..H-1: R_t = r_{t+1} + γ c_{t+1} ((1 - λ) v_{t+1} + λ R_{t+1}),
-    with R_H = v_H.
+    Inputs are (H, N) for steps 1..H: reward r_t, continue flag c_t and value v_t; `lambda_` is a
+    number or (H, N), one per step. Output (H, N) for steps 0..H-1:
+    R_t = r_{t+1} + γ c_{t+1} ((1 - λ_{t+1}) v_{t+1} + λ_{t+1} R_{t+1}), with R_H = v_H.
     """
     returns, last = [], value[-1]
     for t in reversed(range(len(reward))):
-        last = reward[t] + discount * cont[t] * ((1 - lambda_) * value[t] + lambda_ * last)
+        lam = lambda_[t] if isinstance(lambda_, torch.Tensor) else lambda_
+        last = reward[t] + discount * cont[t] * ((1 - lam) * value[t] + lam * last)
         returns.append(last)
     return torch.stack(returns[::-1])
 
 
-def replay_lambda_return(reward, is_last, is_terminal, boot, discount, lambda_):
-    """λ-returns along a replayed sequence (the 2024 recipe's replay value loss), all (B, T):
-    real rewards and terminations, bootstrapped at every step from `boot`, the imagined λ-return
-    of that step's posterior state. Output (B, T-1) for steps 0..T-2:
+def replay_return(reward, is_last, is_terminal, boot, discount, lambda_):
+    """The λ-returns (lambda_return) of replayed sequences, all (B, T): real rewards and
+    terminations, bootstrapped at every step from `boot`; λ is 0 after an episode's last step, so
+    that a sequence never bootstraps across it. Output (B, T-1) for steps 0..T-2:
 
         R_t = r_{t+1} + γ (1 - term_{t+1}) ((1 - c_{t+1}) boot_{t+1} + c_{t+1} R_{t+1}),
-        c = λ (1 - last),  R_{T-1} = boot_{T-1},
-
-    so that a sequence never bootstraps across an episode's last step."""
-    live = (1 - is_terminal[:, 1:]) * discount
-    cont = (1 - is_last[:, 1:]) * lambda_
-    returns, last = [], boot[:, -1]
-    for t in reversed(range(reward.shape[1] - 1)):
-        last = reward[:, t + 1] + live[:, t] * ((1 - cont[:, t]) * boot[:, t + 1] + cont[:, t] * last)
-        returns.append(last)
-    return torch.stack(returns[::-1], 1)
+        c = λ (1 - last),  R_{T-1} = boot_{T-1}."""
+    time_first = lambda x: x[:, 1:].transpose(0, 1)  # noqa: E731 - steps 1..T-1, as lambda_return takes them
+    return lambda_return(time_first(reward), time_first(1 - is_terminal), time_first(boot), discount,
+                         time_first(lambda_ * (1 - is_last))).transpose(0, 1)
 
 
 class ReturnNorm(nn.Module):
@@ -319,29 +316,12 @@ def rollout(rssm, actor, start, horizon, through_dynamics):
     return stack(feats), states, stack(actions), stack(outs)
 
 
-def replay_value_loss(behavior, feat, critic_out, boot, replay):
-    """The critic of `behavior` (an ActorCritic) also learns λ-returns of the replayed sequences
-    (replay_lambda_return), bootstrapped from the imagined returns `boot` (N,), with the same
-    slow-critic regulariser; feat (N, F) and critic_out (N, bins) are at the posterior states,
-    N = B * T."""
-    shape = replay["reward"].shape  # (B, T)
-    boot = boot.reshape(shape)
-    returns = replay_lambda_return(replay["reward"], replay["is_last"], replay["is_terminal"], boot,
-                                   behavior.config.discount, behavior.config.discount_lambda)  # (B, T-1)
-    dist = behavior.critic.dist(critic_out.reshape(*shape, -1)[:, :-1])
-    loss = -dist.log_prob(returns)
-    if behavior.config.critic.slow_target:
-        with torch.no_grad():
-            slow = behavior.slow_critic(feat.reshape(*shape, -1)[:, :-1]).mean()
-        loss = loss - dist.log_prob(slow)
-    return ((1 - replay["is_last"][:, :-1]) * loss).mean()
-
-
 class ActorCritic(nn.Module):
     """Actor and critic trained on trajectories imagined by the world model (Section 3).
 
     `reward_fn(feat, state, action) -> (H+1, N)` supplies the reward, so that the same class
-    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward).
+    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward). It holds no optimizer:
+    the update that steps it builds them (Update for the task's, Plan2Explore for its own).
     """
 
     def __init__(self, config, world_model, act_space, reward_fn, prefix=""):
@@ -358,12 +338,6 @@ class ActorCritic(nn.Module):
         networks.reinit(self.critic, config.winit)
         self.slow_critic = copy.deepcopy(self.critic).requires_grad_(False)
         self.return_norm = ReturnNorm() if config.reward_EMA else None
-        scaler = use_scaler(config)
-        schedule = {"agc": config.agc, "warmup": config.warmup}
-        self.actor_opt = Optimizer("actor", self.actor.parameters(), config.actor.lr, config.actor.eps,
-                                   config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
-        self.critic_opt = Optimizer("critic", self.critic.parameters(), config.critic.lr, config.critic.eps,
-                                    config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule)
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
     def imagine(self, start):
@@ -373,17 +347,16 @@ class ActorCritic(nn.Module):
         through_dynamics = self.config.imag_gradient != "reinforce"
         return rollout(self.wm[0].rssm, self.actor, start, self.config.imag_horizon, through_dynamics)
 
-    def loss(self, start, start_cont, replay=None):
-        """Imagine from start (N, ...) and return the actor loss, the critic loss and metrics,
-        without stepping. With replay["feat"] (B, T, F), the posterior features with their graph,
-        the replay value loss is computed on them, so that its gradient can reach the world model
-        (update 'joint'); otherwise on the detached start states.
+    def loss(self, start, start_cont):
+        """Imagine from the start states (N, ...) with their continue flags (N,) and return the loss
+        terms {"actor": (N,), "critic": (N,)} (unscaled, each the mean over the imagined steps of
+        its start state), the λ-returns (H, N) and metrics, without stepping.
 
-        The two losses send gradients only into their own network, so that one backward pass of
+        The two terms send gradients only into their own network, so that one backward pass of
         their sum serves both optimizers (models.optimize): the critic's values that the actor's
         returns bootstrap from are computed with its weights detached, and the critic learns from a
         pass of its own on the detached features. The callers freeze the world model where its
-        weights would otherwise receive the actor's dynamics gradient (behavior_step)."""
+        weights would otherwise receive the actor's dynamics gradient (Update.train_step)."""
         config = self.config
         wm = self.wm[0]
         through_dynamics = config.imag_gradient != "reinforce"
@@ -405,27 +378,18 @@ class ActorCritic(nn.Module):
                 policy = self.actor.dist(policy_out[:-1])
                 # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
                 # also flows through v(s_t) of the imagined states (into the actor only).
-                actor_loss, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
+                actor, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
             with profiled("critic"):
-                critic_out = self.critic.raw(feat.detach())  # (H+1, N, bins)
-                critic_dist = self.critic.dist(critic_out[:-1])
-                critic_loss, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
-                if replay is not None and config.critic.repval:
-                    if "feat" in replay:
-                        replay_feat = replay["feat"].reshape(-1, replay["feat"].shape[-1])  # (N, F)
-                        replay_out = self.critic.raw(replay_feat)
-                    else:
-                        replay_feat, replay_out = feat[0].detach(), critic_out[0]
-                    repval = replay_value_loss(self, replay_feat.detach(), replay_out, returns[0].detach(), replay)
-                    critic_loss = critic_loss + wm.scales["repval"] * repval
-                    critic_metrics["critic_repval_loss"] = repval.detach()
+                critic_dist = self.critic.dist(self.critic.raw(feat.detach())[:-1])
+                critic, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 metrics.update(critic_metrics)
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
-        return wm.scales["actor"] * actor_loss, wm.scales["critic"] * critic_loss, metrics
+        return {"actor": actor, "critic": critic}, returns, metrics
 
     def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
-        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per step 0..H-1.
+        """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per start state
+        (N,): the weighted mean over the imagined steps 0..H-1.
 
         `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
         the dynamics gradient flows through both the returns and the base.
@@ -447,29 +411,52 @@ class ActorCritic(nn.Module):
             loss = dynamics
         elif config.imag_gradient == "reinforce":
             loss = reinforce
-        else:
+        elif config.imag_gradient == "both":
             mix = config.imag_gradient_mix
             loss = mix * dynamics + (1 - mix) * reinforce
+        else:  # 'auto' is settled by resolve_auto before anything is built
+            raise ValueError(f"imag_gradient '{config.imag_gradient}' reached the actor loss unsettled")
         entropy = policy.entropy()
         loss = loss - config.actor.entropy * entropy
         metrics = {"actor_entropy": entropy.detach().mean(), "return_scale": scale.detach(),
                    "advantage": advantage.detach().mean()}
-        return (weight[:-1] * loss).mean(), metrics
+        return (weight[:-1] * loss).mean(0), metrics
 
     def critic_loss(self, feat, returns, weight, dist=None):
-        """Critic learns the λ-returns; with slow_target it is also pulled to the slow critic's
-        predictions, which stabilises learning (Section 3, Critic learning).
+        """The critic learns the imagined λ-returns (and the slow critic's predictions, `regress`),
+        per start state (N,): the weighted mean over the imagined steps 0..H-1.
 
         `dist`, the critic's prediction at steps 0..H-1, is computed from feat unless given.
         """
         if dist is None:
             dist = self.critic(feat[:-1])
+        loss = self.regress(dist, feat[:-1], returns)
+        return (weight[:-1] * loss).mean(0), {"critic_value": dist.mean().detach().mean()}
+
+    def regress(self, dist, feat, returns):
+        """-log p(returns) under the critic's prediction `dist` at the features `feat`; with
+        slow_target also -log p of the slow critic's prediction there, which stabilises learning
+        (Section 3, Critic learning). The one critic regression of imagined and replayed returns."""
         loss = -dist.log_prob(returns)
         if self.config.critic.slow_target:
             with torch.no_grad():
-                slow = self.slow_critic(feat[:-1]).mean()
+                slow = self.slow_critic(feat).mean()
             loss = loss - dist.log_prob(slow)
-        return (weight[:-1] * loss).mean(), {"critic_value": dist.mean().detach().mean()}
+        return loss
+
+    def replay_loss(self, feat, data, boot):
+        """The replay value loss of the 2024 recipe: the critic also learns λ-returns of the replayed
+        sequences, with their real rewards and terminations, bootstrapped at every step from `boot`
+        (B, T), the imagined λ-return of that step's posterior state, and never across an
+        episode's last step. feat (B, T, F) are the posterior features (with their graph under
+        update 'joint': the loss then trains the representation too). Returns (B, T - 1): the last
+        step has no replayed return; steps that end an episode weigh nothing."""
+        config = self.config
+        is_last = data["is_last"]  # (B, T)
+        returns = replay_return(data["reward"], is_last, data["is_terminal"], boot, config.discount,
+                                config.discount_lambda)  # (B, T-1)
+        dist = self.critic(feat[:, :-1])
+        return (1 - is_last[:, :-1]) * self.regress(dist, feat[:, :-1], returns)
 
     @torch.no_grad()
     def update_slow_critic(self):
@@ -482,123 +469,173 @@ class ActorCritic(nn.Module):
         torch._foreach_add_(slow, torch._foreach_mul(fast, mix))
         self.updates.add_(1)
 
-    def finish_step(self, metrics):
-        """After every update of the actor and critic, whichever strategy stepped them: the slow
-        critic's update, and the metrics under this behaviour's prefix (expl_ for Plan2Explore)."""
-        self.update_slow_critic()
-        return {self.prefix + k: v for k, v in metrics.items()}
-
-    def optimizer_state(self):
-        return {"actor": self.actor_opt.state_dict(), "critic": self.critic_opt.state_dict()}
-
-    def load_optimizer_state(self, state):
-        """Returns the settings that differ from the saved ones (see Optimizer.load_state_dict)."""
-        return self.actor_opt.load_state_dict(state["actor"]) + self.critic_opt.load_state_dict(state["critic"])
-
-
 
 # ==================================================================================================
-# 4. Update strategies
+# 4. The update: the whole loss in the official order, and the optimizers the update mode steps
 # ==================================================================================================
 
-
-def behavior_step(behavior, start, start_cont, replay=None):
-    """One step of an ActorCritic's own optimizers on its loss (ActorCritic.loss) from posterior
-    states start (N, ...) with their continue flags (N,); `replay` (the replayed reward, is_last
-    and is_terminal, (B, T) with N = B * T) feeds the replay value loss. Returns prefixed metrics."""
-    # The actor's dynamics gradient flows through the world model; its weights need none.
-    with frozen(behavior.wm[0]):
-        actor_loss, critic_loss, metrics = behavior.loss(start, start_cont, replay)
-    with profiled("actor_critic_backward"), autocast(behavior.config):
-        metrics.update(optimize({behavior.actor_opt: actor_loss, behavior.critic_opt: critic_loss}))
-    return behavior.finish_step(metrics)
+# The world model's optimizer settings, and the actor's and critic's, by the optimizer that reads them.
+OPTIMIZER_KEYS = {"model": ("model_lr", "opt_eps", "grad_clip"), "actor": ("actor.lr", "actor.eps", "actor.grad_clip"),
+                  "critic": ("critic.lr", "critic.eps", "critic.grad_clip")}
 
 
-def behavior_regions(behavior):
-    """What compile 'update' compiles whole of an ActorCritic that behavior_step steps: its loss,
-    the actor's and the critic's optimizer steps and the slow critic's EMA."""
-    return [(behavior, "loss"), (behavior.actor_opt.opt, "step"), (behavior.critic_opt.opt, "step"),
-            (behavior, "update_slow_critic")]
+def behavior_optimizers(config, behavior):
+    """An actor's and a critic's optimizers ({name: (Optimizer, its terms)}), with their own
+    settings (actor.lr, actor.eps, actor.grad_clip and the critic's); the critic's also steps the
+    replay value loss."""
+    scaler, schedule = use_scaler(config), {"agc": config.agc, "warmup": config.warmup}
+    return {"actor": (Optimizer("actor", behavior.actor.parameters(), config.actor.lr, config.actor.eps,
+                                config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule), ("actor",)),
+            "critic": (Optimizer("critic", behavior.critic.parameters(), config.critic.lr, config.critic.eps,
+                                 config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
+                       ("critic", "repval"))}
 
 
-class SequentialUpdate:
-    """The paper's update (update 'sequential'): a world-model step, then the actor and the critic
-    learn in imagination from the detached posteriors, each network with its own optimizer."""
-
-    optimizer = None  # the networks' own optimizers hold all the state
-
-    def __init__(self, config, world_model, behavior):
-        self.wm, self.behavior = world_model, behavior
-
-    def regions(self):
-        """What compile 'update' compiles whole: the world model's loss and optimizer step, and the
-        actor-critic's (behavior_regions)."""
-        return [(self.wm, "loss"), (self.wm.optimizer.opt, "step"), *behavior_regions(self.behavior)]
-
-    def train_step(self, data, start=None):
-        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see
-        ReplayContext; None: the initial state); returns the detached posterior, the embedding
-        and the metrics."""
-        with profiled("world_model"), autocast(self.wm.config):
-            loss, post, embed, metrics = self.wm.loss(data, start)
-            metrics.update(self.wm.optimizer(loss))
-        post, embed = {k: v.detach() for k, v in post.items()}, embed.detach()
-        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
-        replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}  # (B, T): the replay value loss
-        metrics.update(behavior_step(self.behavior, start, data["cont"].reshape(-1), replay))
-        return post, embed, metrics
+def sequential_optimizers(config, world_model, behavior):
+    """update 'sequential' (the paper's): one optimizer per network, the world model's with
+    model_lr, opt_eps, grad_clip and weight_decay."""
+    model = Optimizer("model", world_model.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
+                      config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
+                      warmup=config.warmup)
+    return {"model": (model, world_model.terms), **behavior_optimizers(config, behavior)}
 
 
-class JointUpdate:
-    """The 2024 recipe's update (update 'joint'): one optimizer over the world model, actor and
-    critic, and one step on the sum of all their losses, all taken at the same parameters. The
-    replay value loss is computed on the posterior features with their graph, so that it trains
-    the representation too. It uses the world model's optimizer settings (opt, model_lr,
-    opt_eps, grad_clip, weight_decay, agc, warmup) and needs REINFORCE actor gradients: a dynamics
-    gradient would flow through the imagined states into the world model's weights, which this
-    step trains (the sequential update freezes them for the actor's loss).
+def joint_optimizers(config, world_model, behavior):
+    """update 'joint' (the 2024 recipe's): one optimizer over the world model, actor and critic with
+    the world model's settings, stepping the sum of every term. It needs REINFORCE actor gradients:
+    a dynamics gradient would flow through the imagined states into the world model's weights,
+    which this step trains (the sequential update freezes them for the actor's loss)."""
+    if config.imag_gradient != "reinforce":
+        raise tools.ConfigError(f"Invalid value '{config.imag_gradient}' for --imag_gradient: --update joint needs "
+                                "reinforce (a dynamics gradient would train the world model through imagination)")
+    params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
+    joint = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip, config.weight_decay,
+                      config.opt, use_scaler(config), config.agc, config.warmup)
+    return {"joint": (joint, None)}  # None: every term
+
+
+UPDATES = {"sequential": sequential_optimizers, "joint": joint_optimizers}  # config.update
+
+
+def ignored_keys(config):
+    """A line on the optimizer keys the chosen update mode reads nowhere: under 'joint' (without
+    Plan2Explore, whose actor-critic keeps optimizers of its own) the actor's and the critic's,
+    when they differ from the world model's that the joint optimizer applies instead."""
+    if config.update != "joint" or config.expl_behavior == "plan2explore":
+        return []
+    flat = tools.flatten(config.to_dict())
+    ignored = [f"--{key} {flat[key]:g}" for name in ("actor", "critic")
+               for key, model_key in zip(OPTIMIZER_KEYS[name], OPTIMIZER_KEYS["model"]) if flat[key] != flat[model_key]]
+    if not ignored:
+        return []
+    model = ", ".join(f"--{key} {flat[key]:g}" for key in OPTIMIZER_KEYS["model"])
+    return [f"{', '.join(ignored)} ignored: under --update joint one optimizer steps the world model, actor and "
+            f"critic with {model}; use --update sequential for an optimizer per network"]
+
+
+def check_terms(losses, scales, batch, length):
+    """Every term of the loss has a scale and every scale a term (repval only where it weighs
+    anything), each term (B, T), the replay value loss (B, T - 1) (its last step has no return)."""
+    expected = {k for k in scales if k != "repval" or scales["repval"]}
+    if set(losses) != expected:
+        raise KeyError(f"loss terms {sorted(set(losses) - expected)} have no scale and scales "
+                       f"{sorted(expected - set(losses))} no term (models.loss_scales)")
+    for key, value in losses.items():
+        shape = (batch, length - 1) if key == "repval" else (batch, length)
+        assert value.shape == shape, (key, tuple(value.shape), shape)
+
+
+def scaled_sum(losses, scales, terms=None):
+    """The loss: the sum over `terms` (by default every one) of each term's mean times its scale,
+    as the official Agent.loss sums them, in the order the terms were computed (a set's order
+    changes between processes, and so would the rounding); a term not computed (repval at scale 0)
+    adds nothing."""
+    return sum(scales[k] * v.mean() for k, v in losses.items() if terms is None or k in terms)
+
+
+def step(optimizers, losses, scales):
+    """One backward pass and every optimizer's step, each on the scaled sum of its terms
+    ({name: (Optimizer, terms)}); returns their metrics (<name>_loss, <name>_grad_norm)."""
+    return optimize({opt: scaled_sum(losses, scales, terms) for opt, terms in optimizers.values()})
+
+
+def behavior_regions(behavior, optimizers, replay=False):
+    """What compile 'update' compiles whole of an actor-critic: its imagination loss, with `replay`
+    its replay value loss, its optimizers' steps (`optimizers`, {name: (Optimizer, terms)}) and the
+    slow critic's EMA."""
+    return [(behavior, "loss"), *[(behavior, "replay_loss")] * bool(replay),
+            *[(opt.opt, "step") for opt, _ in optimizers.values()], (behavior, "update_slow_critic")]
+
+
+class Update:
+    """One update of the world model and the task actor-critic, as the official Agent.loss reads:
+    `train_step` in three parts, # World model, # Imagination and # Replay, whose terms are
+    checked against the one table of loss scales (loss_scales) and their (B, T) shape, scaled and
+    summed. The update mode (config.update, UPDATES) decides only which optimizers step them: one
+    per network for 'sequential' (the paper's order: the world model steps first, and imagination
+    starts from its posteriors with its weights frozen), one for all for 'joint' (every term at
+    the same parameters, the replay value loss training the representation too).
     """
 
     def __init__(self, config, world_model, behavior):
-        if config.imag_gradient != "reinforce":
-            raise ValueError(f"update 'joint' needs imag_gradient 'reinforce', not '{config.imag_gradient}'")
         self.config, self.wm, self.behavior = config, world_model, behavior
-        params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
-        self.optimizer = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip,
-                                   config.weight_decay, config.opt, use_scaler(config), config.agc, config.warmup)
+        self.optimizers = UPDATES[config.update](config, world_model, behavior)  # {name: (Optimizer, terms)}
+        self.sequential = "model" in self.optimizers
 
     def regions(self):
-        """What compile 'update' compiles whole: the one loss, the one optimizer step and the slow
-        critic's EMA."""
-        return [(self, "loss"), (self.optimizer.opt, "step"), (self.behavior, "update_slow_critic")]
-
-    def loss(self, data, start=None):
-        """The sum of the world model's and the actor-critic's losses on a preprocessed batch
-        (B, T, ...) from the latent `start`, all at the same parameters; returns the total, the
-        posterior, the embedding, the world model's and the actor-critic's metrics."""
-        with autocast(self.config):
-            with profiled("world_model"):
-                model_loss, post, embed, metrics = self.wm.loss(data, start)
-            start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
-            replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
-            replay["feat"] = self.wm.rssm.get_feat(post)  # (B, T, F), with its graph
-            actor_loss, critic_loss, behavior_metrics = self.behavior.loss(start, data["cont"].reshape(-1), replay)
-        behavior_metrics.update(actor_loss=actor_loss.detach(), critic_loss=critic_loss.detach())
-        metrics["model_loss"] = model_loss.detach()
-        return model_loss + actor_loss + critic_loss, post, embed, metrics, behavior_metrics
+        """What compile 'update' compiles whole: the three parts' losses, every optimizer's step and
+        the slow critic's EMA."""
+        return [(self.wm, "loss"), *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
 
     def train_step(self, data, start=None):
-        """One step on a preprocessed batch (B, T, ...) from the latent `start`; returns the
-        detached posterior, the embedding and the metrics, like SequentialUpdate.train_step."""
-        loss, post, embed, metrics, behavior_metrics = self.loss(data, start)
-        with autocast(self.config):
-            metrics.update(self.optimizer(loss))
-        metrics.update(self.behavior.finish_step(behavior_metrics))
+        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see ReplayContext;
+        None: the initial state); returns the detached posterior, the embedding and the metrics."""
+        config, wm, behavior, scales = self.config, self.wm, self.behavior, self.wm.scales
+        batch, length = data["is_first"].shape
+        losses = {}
+        with autocast(config):
+            # World model
+            with profiled("world_model"):
+                terms, post, embed, metrics = wm.loss(data, start)  # {term: (B, T)}
+            losses.update(terms)
+            if self.sequential:  # the paper's order: the world model learns first, alone
+                metrics.update(step({"model": self.optimizers["model"]}, losses, scales))
+            # Imagination: from every posterior state, with its continue flag.
+            starts = {k: v.detach().reshape(batch * length, *v.shape[2:]) for k, v in post.items()}
+            # The actor's dynamics gradient flows through the world model; its weights need none.
+            with frozen(wm) if self.sequential else contextlib.nullcontext():
+                terms, returns, behavior_metrics = behavior.loss(starts, data["cont"].reshape(-1))
+            losses.update({k: v.unflatten(0, (batch, length)) for k, v in terms.items()})  # (N,) -> (B, T)
+            # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones.
+            if config.critic.repval:
+                feat = wm.rssm.get_feat(post)  # (B, T, F); under 'joint' with its graph
+                losses["repval"] = behavior.replay_loss(feat.detach() if self.sequential else feat, data,
+                                                        returns[0].detach().reshape(batch, length))
+                behavior_metrics["critic_repval_loss"] = losses["repval"].detach().mean()
+            check_terms(losses, scales, batch, length)
+            rest = {name: group for name, group in self.optimizers.items() if name != "model"}
+            with profiled("backward"):
+                metrics.update(step(rest, losses, scales))
+        behavior.update_slow_critic()
+        if not self.sequential:  # each network's share of the one loss, as the sequential update logs it
+            for name, terms in (("model", wm.terms), ("actor", ("actor",)), ("critic", ("critic", "repval"))):
+                metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms).detach()
+        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
         return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
 
 
-UPDATES = {"sequential": SequentialUpdate, "joint": JointUpdate}
-
+def behavior_step(behavior, optimizers, start, start_cont):
+    """One step of an actor-critic of its own (Plan2Explore's) on its imagination loss from the
+    start states (N, ...) with their continue flags (N,), the world model frozen; its
+    `optimizers` ({name: (Optimizer, terms)}, behavior_optimizers) step it. Returns its metrics
+    under its prefix."""
+    scales = behavior.wm[0].scales
+    with frozen(behavior.wm[0]):
+        terms, _, metrics = behavior.loss(start, start_cont)
+    with profiled("actor_critic_backward"), autocast(behavior.config):
+        metrics.update(step(optimizers, terms, scales))
+    behavior.update_slow_critic()
+    return {behavior.prefix + k: v for k, v in metrics.items()}
 
 
 # ==================================================================================================
@@ -915,9 +952,7 @@ def optimize(losses):
 # ==================================================================================================
 
 
-class CompileError(RuntimeError):
-    """A region of compile 'update' cannot be compiled as one graph; the message names it and the
-    fallbacks. It is never run eagerly instead."""
+CompileError = networks.CompileError  # of both compile modes: a failure is never an eager fallback
 
 
 class Region:
@@ -925,10 +960,6 @@ class Region:
     silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
     (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
     are cloned for the caller (metrics are kept until the log interval)."""
-
-    # A graph break, a compiler failure, a trace error, or more variants than the recompile limit
-    # (which dynamo would otherwise run eagerly from then on).
-    FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
     def __init__(self, fn, name, cuda_graphs):
         self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
@@ -941,10 +972,9 @@ class Region:
             torch.compiler.cudagraph_mark_step_begin()
         try:
             result = self.compiled(*args, **kwargs)
-        except self.FAILURES as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CompileError(f"compile 'update': {self.name} cannot be compiled as one graph ({reason}); "
-                               "--compile True compiles step by step, --compile False runs eagerly") from e
+        except networks.COMPILE_FAILURES as e:
+            raise networks.compile_failure("'update'", self.name, e, "--compile True compiles step by step, "
+                                           "--compile False runs eagerly", how=" as one graph") from e
         self.calls += 1
         if self.cuda_graphs:
             result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
@@ -960,6 +990,7 @@ def compile_steps(agent, bodies):
     # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
     # (past which the rest would silently run eagerly).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
     rssm = agent.wm.rssm
     rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
     rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
@@ -1015,6 +1046,44 @@ CHOICES = {
     "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
     "critic.dist": VALUE_DISTS,
     "reward_head.dist": VALUE_DISTS,
+}
+
+
+def learning_rate(v, flat):
+    """Every optimizer is adaptive (OPTIMIZERS), so an update moves each weight by about the learning
+    rate: above 1 the weights overflow within a few updates."""
+    return 0 < v <= 1
+
+
+# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
+# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
+RANGES = {
+    "replay_context": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
+    "model_lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
+    "opt_eps": (tools.positive, "a number > 0"),
+    "actor.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
+    "actor.eps": (tools.positive, "a number > 0"),
+    "critic.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
+    "critic.eps": (tools.positive, "a number > 0"),
+    "weight_decay": (tools.at_least(0), "a number >= 0"),
+    "grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "actor.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "critic.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "agc": (tools.at_least(0), "a number >= 0 (0 for none)"),
+    "warmup": (tools.at_least(0), "a whole number >= 0"),
+    "critic.repval": (tools.at_least(0), "a number >= 0"),
+    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "discount_lambda": (tools.fraction, "a number in [0, 1]"),
+    "imag_horizon": (tools.at_least(1), "a whole number >= 1"),
+    "imag_gradient_mix": (tools.fraction, "a number in [0, 1]"),
+    "kl_free": (tools.at_least(0), "a number >= 0"),
+    "dyn_scale": (tools.at_least(0), "a number >= 0"),
+    "rep_scale": (tools.at_least(0), "a number >= 0"),
+    "critic.slow_target_update": (tools.at_least(1), "a whole number >= 1"),
+    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
+    "actor.entropy": (tools.at_least(0), "a number >= 0"),
+    "reward_head.loss_scale": (tools.at_least(0), "a number >= 0"),
+    "cont_head.loss_scale": (tools.at_least(0), "a number >= 0"),
 }
 
 

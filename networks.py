@@ -1,7 +1,6 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -12,27 +11,39 @@ import tools
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
 
 
+class CompileError(RuntimeError):
+    """A function that compile asked for cannot be compiled: the message names it and the
+    fallbacks. The one compile-failure policy, of `compile True` (Compiled) and `compile update`
+    (models.Region) alike: what was asked to compile never runs eagerly instead."""
+
+
+# A compiler failure (no C++ compiler, an unsupported operator, a graph break where one graph is
+# required) or more variants than dynamo's recompile limit (past which it would run eagerly).
+COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
+def compile_failure(mode, name, error, fallbacks, how=""):
+    """The CompileError for `error` raised while compiling `name` (`how`: as one graph) under compile `mode`."""
+    reason = " ".join(str(error).split())[:200] or type(error).__name__
+    return CompileError(f"compile {mode}: {name} cannot be compiled{how} ({reason}); {fallbacks}")
+
+
 class Compiled:
-    """torch.compile(fn) that falls back to eager, with one warning, where compilation fails
-    (no C++ compiler, an unsupported platform). A genuine error in fn re-raises from the eager call."""
+    """torch.compile(fn), for `compile True`. Where compilation fails it is a CompileError naming
+    the function (COMPILE_FAILURES); any other error is fn's own and keeps its traceback."""
 
     def __init__(self, fn, name):
         self.eager, self.name = fn, name
         self.compiled = torch.compile(fn)
-        self.failed = False
         self.calls = 0  # calls that ran the compiled code
 
     def __call__(self, *args, **kwargs):
-        if not self.failed:
-            try:
-                result = self.compiled(*args, **kwargs)
-                self.calls += 1
-                return result
-            except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
-                warnings.warn(f"torch.compile of {self.name} failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "running it eagerly", stacklevel=2)
-                self.failed = True
-        return self.eager(*args, **kwargs)
+        try:
+            result = self.compiled(*args, **kwargs)
+        except COMPILE_FAILURES as e:
+            raise compile_failure("True", self.name, e, "--compile False runs eagerly") from e
+        self.calls += 1
+        return result
 
 
 def init_(module, scale=1.0, fan="avg"):
@@ -81,6 +92,8 @@ def reinit(module, winit):
     weights (and the random stream) untouched."""
     if winit == "fan_avg":
         return module
+    if winit != "fan_in":
+        raise ValueError(f"winit '{winit}' has no rule; valid: {', '.join(WINITS)}")
     for m in module.modules():
         if hasattr(m, "init_scale"):
             init_(m, m.init_scale, fan="in")
@@ -308,7 +321,7 @@ def channel_norm(norm, channels):
 def conv_stages(size, minres):
     stages = int(np.log2(size) - np.log2(minres))
     if 2 ** stages * minres != size:
-        raise ValueError(f"Image size {size} must be minres ({minres}) times a power of two")
+        raise tools.ConfigError(f"Image size {size} must be minres ({minres}) times a power of two")
     return stages
 
 
@@ -456,7 +469,7 @@ class MultiEncoder(nn.Module):
         self.cnn_shapes, self.mlp_shapes = tools.select_keys(obs_space, config.cnn_keys, config.mlp_keys)
         if not self.cnn_shapes and not self.mlp_shapes:
             keys = ", ".join(k for k in obs_space if k not in ("is_first", "is_last", "is_terminal"))
-            raise ValueError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
+            raise tools.ConfigError(f"encoder.cnn_keys '{config.cnn_keys}' and encoder.mlp_keys '{config.mlp_keys}' "
                              f"match no observation; available keys: {keys}")
         self.outdim = 0
         if self.cnn_shapes:
@@ -493,10 +506,12 @@ class MultiDecoder(nn.Module):
             if config.cnn == "transposed":
                 self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
                                        config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
-            else:  # needs deter apart from the stochastic state: feat is [stoch, deter]
+            elif config.cnn == "upsample":  # needs deter apart from the stochastic state: feat is [stoch, deter]
                 self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
                                                config.cnn_depth, config.kernel_size, config.minres, config.act,
                                                config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
+            else:
+                raise ValueError(f"decoder.cnn '{config.cnn}' has no decoder; valid: transposed, upsample")
         if self.mlp_shapes:  # one MLP for all vector keys, then an output layer per key
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
@@ -547,7 +562,7 @@ class BlockLinear(nn.Module):
     def __init__(self, inp, out, blocks, bias=True):
         super().__init__()
         if inp % blocks or out % blocks:
-            raise ValueError(f"BlockLinear sizes {inp} -> {out} must be divisible by blocks ({blocks})")
+            raise tools.ConfigError(f"BlockLinear sizes {inp} -> {out} must be divisible by blocks ({blocks})")
         self.in_features, self.out_features, self.blocks = inp, out, blocks
         self.weight = nn.Parameter(torch.empty(blocks, inp // blocks, out // blocks))
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
@@ -614,9 +629,13 @@ class RSSM(nn.Module):
         if config.dyn_cell == "gru":
             self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
             self.cell = GRUCell(hidden, self.deter, norm)
-        else:  # the block GRU embeds deter, stoch and action itself
+        elif config.dyn_cell == "blockgru":  # the block GRU embeds deter, stoch and action itself
             self.img_in = nn.Identity()
             self.cell = BlockGRUCell(stoch_flat, action_size, hidden, self.deter, config.dyn_blocks, act, norm)
+        else:
+            raise ValueError(f"dyn_cell '{config.dyn_cell}' has no cell; valid: gru, blockgru")
+        if config.initial not in ("learned", "zeros"):
+            raise ValueError(f"initial '{config.initial}' has no initial state; valid: learned, zeros")
         img_layers = [dense(self.deter if i == 0 else hidden, hidden, act, norm) for i in range(config.dyn_img_layers)]
         self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
@@ -724,17 +743,17 @@ class RSSM(nn.Module):
 
     # -- loss ---------------------------------------------------------------------------------
 
-    def kl_loss(self, post, prior, free, dyn_scale, rep_scale):
-        """KL balancing with free nats (Eq. 5 of the paper), per step (B, T):
+    def kl_loss(self, post, prior, free):
+        """KL balancing with free nats (Eq. 5 of the paper), per step (B, T): the two terms
 
-        dyn = max(free, KL[sg(post) || prior]),  rep = max(free, KL[post || sg(prior)]).
+        dyn = max(free, KL[sg(post) || prior]),  rep = max(free, KL[post || sg(prior)]),
+
+        which models.loss_scales weighs, and the two KLs before the free nats (for the metrics).
         """
         sg = lambda s: {k: v.detach() for k, v in s.items()}  # noqa: E731
         raw_dyn = self.kl(sg(post), prior)
         raw_rep = self.kl(post, sg(prior))
-        dyn = torch.clamp(raw_dyn, min=free)
-        rep = torch.clamp(raw_rep, min=free)
-        return dyn_scale * dyn + rep_scale * rep, raw_dyn, raw_rep
+        return torch.clamp(raw_dyn, min=free), torch.clamp(raw_rep, min=free), raw_dyn, raw_rep
 
     def kl(self, lhs, rhs):
         if self.discrete:
@@ -752,6 +771,8 @@ VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vect
 # constructors take them on trust.
 CHOICES = {
     "act": tuple(ACTIVATIONS),
+    "encoder.act": tuple(ACTIVATIONS),
+    "decoder.act": tuple(ACTIVATIONS),
     "norm": NORMS,
     "encoder.norm": NORMS,
     "decoder.norm": NORMS,
@@ -762,11 +783,41 @@ CHOICES = {
     "dyn_std_act": tuple(STD_ACTS),
     "encoder.cnn": tuple(IMAGE_ENCODERS),
     "decoder.cnn": ("transposed", "upsample"),
-    "decoder.image_dist": ("mse",),
     "decoder.vector_dist": tuple(VECTOR_DISTS),
     "actor.dist": ("auto", "normal", "onehot"),  # auto: settled by models.resolve_auto
 }
 
 # The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
+
+# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
+# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
+RANGES = {
+    "dyn_img_layers": (tools.at_least(1), "a whole number >= 1"),
+    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
+                   "a whole number >= 1 that divides --dyn_deter"),
+    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
+    "dyn_hidden": (tools.at_least(1), "a whole number >= 1"),
+    "dyn_deter": (tools.at_least(1), "a whole number >= 1"),
+    "dyn_stoch": (tools.at_least(1), "a whole number >= 1"),
+    "dyn_discrete": (tools.at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
+    "dyn_rec_depth": (tools.at_least(1), "a whole number >= 1"),
+    "units": (tools.at_least(1), "a whole number >= 1"),
+    "actor.min_std": (tools.positive, "a number > 0"),
+    "actor.absmax": (tools.at_least(0), "a number >= 0 (0 for unbounded samples)"),
+    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
+    "dyn_min_std": (tools.at_least(0), "a number >= 0"),
+    "encoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
+    "decoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
+    "encoder.minres": (tools.at_least(1), "a whole number >= 1"),
+    "decoder.minres": (tools.at_least(1), "a whole number >= 1"),
+    "encoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
+    "decoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
+    "encoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
+    "encoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
+    "decoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
+    "decoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
+}
+
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

@@ -718,7 +718,7 @@ def wrap_tasks(config, tasks, handles, assignment):
     try:
         obs_space, act_space = envs.common_spaces([tasks[task] for task in present], obs_spaces,
                                                   [one[task].act_space for task in present], used, noops)
-    except ValueError as e:
+    except envs.TaskError as e:
         raise tools.ConfigError(str(e)) from None
     return [envs.wrappers.TaskEnv(env, task, obs_space, act_space, envs.noop_action(tasks[task]))
             for env, task in zip(handles, assignment)]
@@ -820,7 +820,9 @@ def decide_resources(costs, tasks, train_ratio, batch_size, batch_length, asynch
 
     Returns {envs, parallel (True, False or 'mixed'), threads (None on a GPU: left alone),
     tasks: {task: {envs, processes}}, steps_per_s, bound}."""
-    updates_per_step = train_ratio / (batch_size * batch_length)
+    import tools
+
+    updates_per_step = tools.updates_owed(1, train_ratio, batch_size * batch_length)
     most = max(1, int(costs["max_threads"]))
     if envs is not None:
         counts = [envs]
@@ -1018,13 +1020,15 @@ class Resources:
         return record
 
     def describe(self, reused):
+        import tools
+
         config, costs, decision = self.config, self.record["costs"], self.record["decision"]
         where = {True: "in worker processes", False: "in-process", "mixed": "some in worker processes"}
         count = decision["threads"]
         threads = f"learner on {count} torch thread{'s' * (count > 1)}" if count else "learner threads left alone (GPU)"
         how = (f"reused from {self.path} (measured {self.record['measured']}; pass --envs and --parallel to choose)"
                if reused else f"measured in {self.record['measure_s']:.0f} s")
-        updates = config.train_ratio / (config.batch_size * config.batch_length)
+        updates = tools.updates_owed(1, config.train_ratio, tools.replayed_per_update(config))
         fps = decision["steps_per_s"] * config.action_repeat
         lines = [f"Resources: {', '.join(self.auto)} auto, {how}: {decision['envs']} environment"
                  f"{'s' * (decision['envs'] > 1)} "

@@ -702,6 +702,19 @@ class Clock:
         self.last = self.now()
 
 
+def replayed_per_update(config):
+    """Replayed steps one update trains on, as the train ratio counts them: batch_size sequences of
+    batch_length steps (the replay context's steps only give the start latent)."""
+    return config.batch_size * config.batch_length
+
+
+def updates_owed(steps, ratio, replayed_per_update):
+    """Updates (a float) that the train ratio owes for `steps` policy steps: the one place of the
+    train-ratio arithmetic (Ratio, SamplesPerInsert, total_updates, parallel's sizing). Multiplied
+    first, so that exact ratios stay exact."""
+    return steps * ratio / replayed_per_update
+
+
 class Ratio:
     """Number of updates owed so that updates * replayed_per_update / steps == ratio."""
 
@@ -711,8 +724,8 @@ class Ratio:
         self.updates = 0
 
     def owed(self, steps):
-        """Updates owed in total after `steps` steps; multiply first so exact ratios stay exact."""
-        return int(steps * self.ratio / self.replayed_per_update)
+        """Whole updates owed in total after `steps` steps."""
+        return int(updates_owed(steps, self.ratio, self.replayed_per_update))
 
     def __call__(self, steps):
         due = self.owed(steps) - self.updates
@@ -750,15 +763,15 @@ class SamplesPerInsert:
 
     def owed(self, inserts):
         """Whole updates owed after `inserts` steps (as `Ratio.owed`)."""
-        return int(inserts * self.ratio / self.replayed_per_update)
+        return int(updates_owed(inserts, self.ratio, self.replayed_per_update))
 
     def can_sample(self):
         if self.finished:
             return self.updates + 1 <= self.owed(self.inserts)
-        return self.updates + 1 <= self.inserts * self.ratio / self.replayed_per_update + self.tolerance
+        return self.updates + 1 <= updates_owed(self.inserts, self.ratio, self.replayed_per_update) + self.tolerance
 
     def can_insert(self):
-        return self.inserts * self.ratio / self.replayed_per_update - self.updates <= self.tolerance
+        return updates_owed(self.inserts, self.ratio, self.replayed_per_update) - self.updates <= self.tolerance
 
     def wait_sample(self, timeout=None):
         return self._wait(self.can_sample, timeout)
@@ -835,7 +848,7 @@ def total_updates(config):
     """Updates a run makes from its start to `steps` frames: the pretraining, then train_ratio replayed
     steps per policy step after the prefill (Trainer.train: the prefill's steps count as paid for)."""
     policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
-    return config.pretrain + int(policy_steps * config.train_ratio / (config.batch_size * config.batch_length))
+    return config.pretrain + int(updates_owed(policy_steps, config.train_ratio, replayed_per_update(config)))
 
 
 # ==================================================================================================
@@ -1227,6 +1240,21 @@ def flatten(mapping, prefix=""):
         else:
             out[prefix + key] = value
     return out
+
+
+def at_least(low):
+    """A RANGES predicate (value, flat config) -> whether value >= low."""
+    return lambda v, flat: v >= low
+
+
+def positive(v, flat):
+    """A RANGES predicate: value > 0."""
+    return v > 0
+
+
+def fraction(v, flat):
+    """A RANGES predicate: value in [0, 1]."""
+    return 0 <= v <= 1
 
 
 def valid_regex(text):

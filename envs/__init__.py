@@ -17,6 +17,7 @@ import gymnasium
 import numpy as np
 
 from envs import wrappers  # noqa: F401 - envs.wrappers.TaskEnv for parallel.make_envs
+from envs.wrappers import TaskError
 
 # suite prefix -> module in this package that defines `make(task, config, mode, index)`.
 SUITES = {
@@ -31,10 +32,10 @@ SUITES = {
 
 
 def split_task(task):
-    """'dmc_walker_walk' -> ('dmc', 'walker_walk'); raises ValueError for an unknown suite."""
+    """'dmc_walker_walk' -> ('dmc', 'walker_walk'); raises TaskError for an unknown suite."""
     suite, _, name = task.partition("_")
     if suite not in SUITES or not name:
-        raise ValueError(f"Unknown suite in task '{task}'; valid suites: "
+        raise TaskError(f"Unknown suite in task '{task}'; valid suites: "
                          + ", ".join(f"{s}_<name>" for s in SUITES))
     return suite, name
 
@@ -45,7 +46,7 @@ def suite_module(task):
 
 
 def check_task(task):
-    """Raise ValueError naming the task and close valid names when the suite knows it is invalid."""
+    """Raise TaskError naming the task and close valid names when the suite knows it is invalid."""
     module, name = suite_module(task)
     if hasattr(module, "check"):
         module.check(name)
@@ -80,14 +81,14 @@ def make_env(config, mode, index, task=None):
 
 def parse_tasks(text):
     """'dmc_walker_walk,dmc_cheetah_run' -> ['dmc_walker_walk', 'dmc_cheetah_run']; one task is a
-    list of one. Raises ValueError for an empty entry or a task named twice."""
+    list of one. Raises TaskError for an empty entry or a task named twice."""
     tasks = [task.strip() for task in str(text).split(",")]
     if not all(tasks):
-        raise ValueError(f"Invalid value '{text}' for --task: an empty task name; give tasks separated by "
+        raise TaskError(f"Invalid value '{text}' for --task: an empty task name; give tasks separated by "
                          "commas, e.g. dmc_walker_walk,dmc_cheetah_run")
     twice = sorted({task for task in tasks if tasks.count(task) > 1})
     if twice:
-        raise ValueError(f"Invalid value '{text}' for --task: {', '.join(twice)} named more than once; "
+        raise TaskError(f"Invalid value '{text}' for --task: {', '.join(twice)} named more than once; "
                          "give each task once (--envs sets how many environments run)")
     return tasks
 
@@ -101,12 +102,12 @@ def assign_tasks(tasks, count, weights=None):
     """
     n = len(tasks)
     if count < n:
-        raise ValueError(f"{count} environments cannot run {n} tasks; give --envs {n} or more")
+        raise TaskError(f"{count} environments cannot run {n} tasks; give --envs {n} or more")
     if weights is None:
         return [i % n for i in range(count)]
     weights = np.asarray(weights, np.float64)
     if weights.shape != (n,) or not (weights > 0).all():
-        raise ValueError(f"expected {n} positive task weights, got {list(weights)}")
+        raise TaskError(f"expected {n} positive task weights, got {list(weights)}")
     share = 1 + weights / weights.sum() * (count - n)  # one each, the rest by weight
     counts = np.floor(share).astype(int)
     for i in np.argsort(-(share - counts), kind="stable")[:count - counts.sum()]:
@@ -144,12 +145,12 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
     the widest space wins, and bounds of shared dimensions are the union of the tasks' bounds. A
     discrete task with fewer actions needs a no-op (`noops`, one index or None per task) that its
     padded actions map to.
-    Raises ValueError naming the keys and tasks that do not fit.
+    Raises TaskError naming the keys and tasks that do not fit.
     """
     discrete = [bool(getattr(space, "discrete", False)) for space in act_spaces]
     if any(discrete) and not all(discrete):
         kind = lambda d: ", ".join(t for t, x in zip(tasks, discrete) if x == d)  # noqa: E731
-        raise ValueError(f"Tasks mix discrete actions ({kind(True)}) and continuous actions ({kind(False)}); "
+        raise TaskError(f"Tasks mix discrete actions ({kind(True)}) and continuous actions ({kind(False)}); "
                          "one run can only mix tasks of one kind")
     obs_space = {}
     for key in sorted(set().union(*obs_spaces)):
@@ -159,14 +160,14 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
         alike = len({(tuple(space[key].shape), np.dtype(space[key].dtype)) for space in obs_spaces if key in space})
         if key in used and len(have) < len(tasks):
             lack = [task for task in tasks if task not in have]
-            raise ValueError(f"Observation key '{key}' is read by the model but only {', '.join(have)} "
+            raise TaskError(f"Observation key '{key}' is read by the model but only {', '.join(have)} "
                              f"{'has' if len(have) == 1 else 'have'} it, not {', '.join(lack)}; every task "
                              "must have the keys the encoder and decoder read (--encoder.mlp_keys, "
                              "--encoder.cnn_keys, and the decoder's)")
         if key in used and alike > 1:
             shapes = ", ".join(f"{task} {tuple(space[key].shape)} {np.dtype(space[key].dtype)}"
                                for task, space in zip(tasks, obs_spaces))
-            raise ValueError(f"Observation key '{key}' differs between tasks ({shapes}); every task must "
+            raise TaskError(f"Observation key '{key}' differs between tasks ({shapes}); every task must "
                              "observe the keys the model reads with the same shape (e.g. the same --size)")
         if len(have) == len(tasks) and alike == 1:
             obs_space[key] = obs_spaces[0][key]
@@ -174,7 +175,7 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
     if all(discrete):
         for task, space, noop in zip(tasks, act_spaces, noops or [None] * len(tasks)):
             if space.shape[0] < width and noop is None:
-                raise ValueError(f"Task {task} has {space.shape[0]} actions and cannot be padded to {width}: its "
+                raise TaskError(f"Task {task} has {space.shape[0]} actions and cannot be padded to {width}: its "
                                  "suite has no no-op action to map the extra ones to; mix only tasks with as many "
                                  "actions, or suites with a no-op (atari, crafter, memorymaze, minecraft)")
         return obs_space, act_spaces[int(np.argmax([s.shape[0] for s in act_spaces]))]

@@ -60,7 +60,7 @@ def _rom_ids():
 
 
 def rom_id(name):
-    """Task name (after 'atari_') -> ALE ROM id; raises ValueError naming close valid tasks."""
+    """Task name (after 'atari_') -> ALE ROM id; raises TaskError naming close valid tasks."""
     rom = ALIASES.get(name, name)
     roms = _rom_ids()
     if rom in roms:
@@ -69,7 +69,7 @@ def rom_id(name):
     close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
     hint = ", ".join(f"atari_{c}" for c in close) if close else "the Atari 100k games: " + ", ".join(
         f"atari_{g}" for g in ATARI100K)
-    raise ValueError(f"Unknown Atari task 'atari_{name}'; closest valid: {hint}")
+    raise wrappers.TaskError(f"Unknown Atari task 'atari_{name}'; closest valid: {hint}")
 
 
 def check(name):
@@ -82,11 +82,11 @@ class Atari:
     def __init__(self, name, repeat=4, size=(64, 64), grayscale=False, noops=0, lives="unused", sticky=True,
                  actions="all", resize="opencv", seed=0):
         if lives not in ("unused", "discount", "reset"):
-            raise ValueError(f"Invalid lives '{lives}'; valid: unused, discount, reset")
+            raise wrappers.TaskError(f"Invalid lives '{lives}'; valid: unused, discount, reset")
         if actions not in ("all", "needed"):
-            raise ValueError(f"Invalid actions '{actions}'; valid: all, needed")
+            raise wrappers.TaskError(f"Invalid actions '{actions}'; valid: all, needed")
         if resize not in ("opencv", "pillow"):
-            raise ValueError(f"Invalid resize '{resize}'; valid: opencv, pillow")
+            raise wrappers.TaskError(f"Invalid resize '{resize}'; valid: opencv, pillow")
         ale_py = _ale_py()
         self.repeat, self.size, self.grayscale = int(repeat), tuple(size), grayscale
         self.noops, self.lives, self.resize = int(noops), lives, resize

@@ -23,7 +23,8 @@ def _crafter():
 
 def check(name):
     if name not in TASKS:
-        raise ValueError(f"Unknown Crafter task 'crafter_{name}'; valid: " + ", ".join(f"crafter_{t}" for t in TASKS))
+        raise wrappers.TaskError(f"Unknown Crafter task 'crafter_{name}'; valid: "
+                                 + ", ".join(f"crafter_{t}" for t in TASKS))
 
 
 class Crafter:

@@ -26,7 +26,8 @@ def _split(name):
             return domain, task
     valid = [f"dmc_{d}_{t}" for d, t in _suite().ALL_TASKS]
     close = difflib.get_close_matches(f"dmc_{name}", valid, n=3)
-    raise ValueError(f"Unknown DMC task 'dmc_{name}'; closest valid: {', '.join(close) or ', '.join(valid[:5])}")
+    raise wrappers.TaskError(f"Unknown DMC task 'dmc_{name}'; closest valid: "
+                             f"{', '.join(close) or ', '.join(valid[:5])}")
 
 
 def check(name):

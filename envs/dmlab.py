@@ -62,7 +62,7 @@ def check(name):
     valid = LEVELS + tuple(TEST_LEVELS.values())
     if name not in valid:
         close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
-        raise ValueError(f"Unknown DMLab task 'dmlab_{name}'; closest valid: "
+        raise wrappers.TaskError(f"Unknown DMLab task 'dmlab_{name}'; closest valid: "
                          + ", ".join(f"dmlab_{c}" for c in (close or valid[:5])))
 
 

@@ -32,10 +32,11 @@ def _resolve(name):
         try:
             importlib.import_module(module)
         except ImportError as e:
-            raise ValueError(f"Task 'gym_{name}' names module '{module}', which cannot be imported: {e}") from None
+            raise wrappers.TaskError(f"Task 'gym_{name}' names module '{module}', which cannot be imported: "
+                                     f"{e}") from None
     if env_id not in gymnasium.registry:
         close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=3, cutoff=0.6)
-        raise ValueError(f"Unknown Gymnasium task 'gym_{name}': '{env_id}' is not registered; closest valid: "
+        raise wrappers.TaskError(f"Unknown Gymnasium task 'gym_{name}': '{env_id}' is not registered; closest valid: "
                          + (", ".join(f"gym_{c}" for c in close) or "none close")
                          + ". Use gym_<module>:<EnvId> to import the module that registers it.")
     return env_id
@@ -54,7 +55,7 @@ def _vector_size(space, key):
         return int(space.n)
     if isinstance(space, (gymnasium.spaces.Box, gymnasium.spaces.MultiBinary, gymnasium.spaces.MultiDiscrete)):
         return int(np.prod(space.shape))
-    raise ValueError(f"Unsupported observation space for '{key}': {space}; supported: Box, Discrete, "
+    raise wrappers.TaskError(f"Unsupported observation space for '{key}': {space}; supported: Box, Discrete, "
                      "MultiBinary, MultiDiscrete, or a Dict of those")
 
 
@@ -71,7 +72,7 @@ class Gym:
         for source, raw in entries:
             key = source if source is not None else ("image" if _is_image(raw) else "vector")
             if key in RESERVED:
-                raise ValueError(f"Observation key '{key}' of gym_{name} clashes with a key the agent reserves")
+                raise wrappers.TaskError(f"Observation key '{key}' of gym_{name} clashes with a key the agent reserves")
             if _is_image(raw):
                 channels = raw.shape[2] if len(raw.shape) == 3 else 1
                 spaces[key] = gymnasium.spaces.Box(0, 255, self.size + (channels,), dtype=np.uint8)
@@ -81,7 +82,7 @@ class Gym:
         self._obs_space = {**spaces, **wrappers.flag_spaces()}
         action = self.env.action_space
         if not isinstance(action, (gymnasium.spaces.Discrete, gymnasium.spaces.Box)):
-            raise ValueError(f"Unsupported action space of gym_{name}: {action}; supported: Discrete, Box")
+            raise wrappers.TaskError(f"Unsupported action space of gym_{name}: {action}; supported: Discrete, Box")
         self.first_reset = True
 
     @property

@@ -31,7 +31,7 @@ def _gym():
 
 def check(name):
     if name not in LENGTHS:
-        raise ValueError(f"Unknown Memory Maze task 'memorymaze_{name}'; valid: "
+        raise wrappers.TaskError(f"Unknown Memory Maze task 'memorymaze_{name}'; valid: "
                          + ", ".join(f"memorymaze_{size}" for size in LENGTHS))
 
 

@@ -80,7 +80,7 @@ HELD = ("forward", "back", "left", "right", "attack")
 
 def check(name):
     if name not in TASKS:
-        raise ValueError(f"Unknown Minecraft task 'minecraft_{name}'; valid: "
+        raise wrappers.TaskError(f"Unknown Minecraft task 'minecraft_{name}'; valid: "
                          + ", ".join(f"minecraft_{t}" for t in TASKS))
 
 

@@ -10,6 +10,11 @@ import gymnasium
 import numpy as np
 
 
+class TaskError(ValueError):
+    """A task, its settings or its spaces that a run cannot use: a user mistake, said in one line
+    (dreamer.py prints it and exits 2). Any other error of a suite keeps its traceback."""
+
+
 def import_quietly(names, install_hint):
     """Import optional packages that import gym 0.26, whose import prints a notice urging an upgrade
     to Gymnasium that would only mislead here; a missing package raises ImportError(install_hint)."""

@@ -372,13 +372,18 @@ def random_logits(seed, shape=(3, 4, 4, 4), scale=1.5):
     return torch.randn(*shape, generator=gen) * scale
 
 
+def scaled_kl(rssm, post, prior, free, dyn_scale, rep_scale):
+    """The KL part of the world model's loss as models.Update sums it, and the raw KLs."""
+    dyn, rep, raw_dyn, raw_rep = rssm.kl_loss(post, prior, free)
+    return dyn_scale * dyn + rep_scale * rep, raw_dyn, raw_rep
+
 def test_kl_loss_values_with_free_nats_per_step():
     rssm = discrete_rssm()
     post_logit, prior_logit = random_logits(10), random_logits(11)
     kl = np_kl_categorical(to_np(post_logit), to_np(prior_logit))  # (B, T)
     free = float(np.median(kl))  # half of the steps lie below the free nats
     assert (kl < free).any() and (kl > free).any()
-    loss, dyn, rep = rssm.kl_loss({"logit": post_logit}, {"logit": prior_logit}, free, 0.5, 0.1)
+    loss, dyn, rep = scaled_kl(rssm, {"logit": post_logit}, {"logit": prior_logit}, free, 0.5, 0.1)
     assert loss.shape == dyn.shape == rep.shape == (3, 4)
     np.testing.assert_allclose(to_np(dyn), kl, rtol=1e-4)
     np.testing.assert_allclose(to_np(rep), kl, rtol=1e-4)
@@ -402,17 +407,17 @@ def test_kl_loss_dyn_term_trains_only_the_prior_and_rep_only_the_posterior():
     prior_logit = random_logits(13).requires_grad_()
     grad_p, grad_q = categorical_kl_grads(to_np(post_logit), to_np(prior_logit))
     # dyn = KL[sg(post) || prior]: gradient reaches only the prior.
-    loss, _, _ = rssm.kl_loss({"logit": post_logit}, {"logit": prior_logit}, 0.0, 1.0, 0.0)
+    loss, _, _ = scaled_kl(rssm, {"logit": post_logit}, {"logit": prior_logit}, 0.0, 1.0, 0.0)
     g_post, g_prior = torch.autograd.grad(loss.sum(), [post_logit, prior_logit])
     np.testing.assert_array_equal(to_np(g_post), 0.0)
     np.testing.assert_allclose(to_np(g_prior), grad_q, rtol=1e-4, atol=1e-6)
     # rep = KL[post || sg(prior)]: gradient reaches only the posterior.
-    loss, _, _ = rssm.kl_loss({"logit": post_logit}, {"logit": prior_logit}, 0.0, 0.0, 1.0)
+    loss, _, _ = scaled_kl(rssm, {"logit": post_logit}, {"logit": prior_logit}, 0.0, 0.0, 1.0)
     g_post, g_prior = torch.autograd.grad(loss.sum(), [post_logit, prior_logit])
     np.testing.assert_array_equal(to_np(g_prior), 0.0)
     np.testing.assert_allclose(to_np(g_post), grad_p, rtol=1e-4, atol=1e-6)
     # Both together are weighted by dyn_scale and rep_scale.
-    loss, _, _ = rssm.kl_loss({"logit": post_logit}, {"logit": prior_logit}, 0.0, 0.5, 0.1)
+    loss, _, _ = scaled_kl(rssm, {"logit": post_logit}, {"logit": prior_logit}, 0.0, 0.5, 0.1)
     g_post, g_prior = torch.autograd.grad(loss.sum(), [post_logit, prior_logit])
     np.testing.assert_allclose(to_np(g_prior), 0.5 * grad_q, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(to_np(g_post), 0.1 * grad_p, rtol=1e-4, atol=1e-6)
@@ -425,7 +430,7 @@ def test_kl_loss_free_nats_stop_gradients_per_step():
     kl = np_kl_categorical(to_np(post_logit), to_np(prior_logit))
     free = float(np.median(kl))
     _, grad_q = categorical_kl_grads(to_np(post_logit), to_np(prior_logit))
-    loss, _, _ = rssm.kl_loss({"logit": post_logit}, {"logit": prior_logit}, free, 1.0, 0.0)
+    loss, _, _ = scaled_kl(rssm, {"logit": post_logit}, {"logit": prior_logit}, free, 1.0, 0.0)
     (g_prior,) = torch.autograd.grad(loss.sum(), [prior_logit])
     below = kl < free
     np.testing.assert_array_equal(to_np(g_prior)[below], 0.0)
@@ -442,19 +447,19 @@ def test_kl_loss_continuous_values_and_gradient_routing():
              "std": (torch.rand(3, 4, stoch, generator=gen) + 0.2).requires_grad_()}
     kl = np_kl_normal(to_np(post["mean"]), to_np(post["std"]), to_np(prior["mean"]), to_np(prior["std"]))
     free = float(np.median(kl))
-    loss, dyn, rep = rssm.kl_loss(post, prior, free, 0.5, 0.1)
+    loss, dyn, rep = scaled_kl(rssm, post, prior, free, 0.5, 0.1)
     np.testing.assert_allclose(to_np(dyn), kl, rtol=1e-4)
     np.testing.assert_allclose(to_np(rep), kl, rtol=1e-4)
     np.testing.assert_allclose(to_np(loss), 0.6 * np.maximum(free, kl), rtol=1e-4)
     leaves = [post["mean"], post["std"], prior["mean"], prior["std"]]
-    loss, _, _ = rssm.kl_loss(post, prior, 0.0, 1.0, 0.0)
+    loss, _, _ = scaled_kl(rssm, post, prior, 0.0, 1.0, 0.0)
     grads = torch.autograd.grad(loss.sum(), leaves)
     assert not to_np(grads[0]).any() and not to_np(grads[1]).any()
     assert to_np(grads[2]).any() and to_np(grads[3]).any()
     # d/d mu2 KL = (mu2 - mu1) / s2^2
     want = (to_np(prior["mean"]) - to_np(post["mean"])) / to_np(prior["std"]) ** 2
     np.testing.assert_allclose(to_np(grads[2]), want, rtol=1e-4, atol=1e-6)
-    loss, _, _ = rssm.kl_loss(post, prior, 0.0, 0.0, 1.0)
+    loss, _, _ = scaled_kl(rssm, post, prior, 0.0, 0.0, 1.0)
     grads = torch.autograd.grad(loss.sum(), leaves)
     assert to_np(grads[0]).any() and to_np(grads[1]).any()
     assert not to_np(grads[2]).any() and not to_np(grads[3]).any()
@@ -619,7 +624,7 @@ def test_critic_loss_two_hot_with_slow_regulariser(slow_target):
         if slow_target:
             nll += -(np_twohot(np_symlog(slow_mean[index]), bins) * log_probs[index]).sum()
         want[index] = nll
-    assert loss.item() == pytest.approx((to_np(weight)[:-1] * want).mean(), rel=1e-4)
+    np.testing.assert_allclose(to_np(loss), (to_np(weight)[:-1] * want).mean(0), rtol=1e-4)  # per start state
 
 
 def test_critic_loss_symlog_mse_with_slow_regulariser():
@@ -631,7 +636,7 @@ def test_critic_loss_symlog_mse_with_slow_regulariser():
         pred = to_np(ac.critic.out(ac.critic.mlp(feat[:-1])))[..., 0]
         slow = to_np(ac.slow_critic.out(ac.slow_critic.mlp(feat[:-1])))[..., 0]
     want = (pred - np_symlog(to_np(returns))) ** 2 + (pred - slow) ** 2
-    assert loss.item() == pytest.approx((to_np(weight)[:-1] * want).mean(), rel=1e-4)
+    np.testing.assert_allclose(to_np(loss), (to_np(weight)[:-1] * want).mean(0), rtol=1e-4)  # per start state
 
 
 def actor_inputs(ac, horizon=5, n=8, seed=35):
@@ -666,11 +671,11 @@ def test_actor_loss_modes_against_reference(mode):
     dynamics, reinforce = -advantage, -logp * advantage
     term = {"dynamics": dynamics, "reinforce": reinforce, "both": 0.3 * dynamics + 0.7 * reinforce}[mode]
     w = to_np(weight)[:-1]
-    want = (w * (term - 0.05 * entropy)).mean()
-    assert loss.item() == pytest.approx(want, rel=1e-4, abs=1e-6)
+    want = (w * (term - 0.05 * entropy)).mean(0)  # per start state
+    np.testing.assert_allclose(to_np(loss), want, rtol=1e-4, atol=1e-6)
     assert metrics["return_scale"].item() == pytest.approx(scale, rel=1e-5)
-    # The return gradient is -w / scale per element for dynamics, none for reinforce.
-    (grad,) = torch.autograd.grad(loss, returns, allow_unused=True)
+    # The return gradient of the mean loss is -w / scale per element for dynamics, none for reinforce.
+    (grad,) = torch.autograd.grad(loss.mean(), returns, allow_unused=True)
     share = {"dynamics": 1.0, "reinforce": 0.0, "both": 0.3}[mode]
     got = np.zeros_like(r) if grad is None else to_np(grad)
     np.testing.assert_allclose(got, -share * w / scale / w.size, rtol=1e-4, atol=1e-12)
@@ -693,7 +698,7 @@ def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
         out = torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
         return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out)]
 
-    loss, _ = ac.actor_loss(feat, action, returns, weight)
+    loss = ac.actor_loss(feat, action, returns, weight)[0].mean()
     got = grads(loss)
 
     # Plain v1: one percentile EMA step from zero; the base carries its gradient.
@@ -723,7 +728,7 @@ def test_actor_loss_entropy_weight():
     values = {}
     for eta in (0.0, 0.3):
         ac.config = ac.config.replace({"actor.entropy": eta})  # the config is read-only: a new one
-        values[eta] = ac.actor_loss(feat, action, returns, weight)[0].item()
+        values[eta] = ac.actor_loss(feat, action, returns, weight)[0].mean().item()
     with torch.no_grad():
         std = to_np(ac.actor(feat[:-1]).dist.stddev)
     entropy = (0.5 * np.log(2 * np.pi * np.e * std ** 2)).sum(-1)
@@ -748,8 +753,8 @@ def test_actor_loss_onehot_reinforce_without_return_norm():
     probs = 0.99 * np.exp(np_log_softmax(raw)) + 0.01 / 4
     logp = np.log((probs * to_np(action)[:-1]).sum(-1))
     entropy = -(probs * np.log(probs)).sum(-1)
-    want = (to_np(weight)[:-1] * (-logp * (to_np(returns) - base) - 0.01 * entropy)).mean()
-    assert loss.item() == pytest.approx(want, rel=1e-4)
+    want = (to_np(weight)[:-1] * (-logp * (to_np(returns) - base) - 0.01 * entropy)).mean(0)
+    np.testing.assert_allclose(to_np(loss), want, rtol=1e-4)
 
 
 def capture_actor_loss(ac, wm):
@@ -778,7 +783,7 @@ def test_train_step_weight_and_returns_against_reference():
     seen = capture_actor_loss(ac, wm)
     start = start_states(wm, n=6)
     start_cont = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    metrics = models.behavior_step(ac, start, start_cont)
+    metrics = models.behavior_step(ac, models.behavior_optimizers(config, ac), start, start_cont)
     cont = np.concatenate([to_np(start_cont)[None], to_np(seen["cont"])], 0)  # (H+1, N)
     assert 0 < cont[1:].mean() < 1
     gamma, horizon = 0.9, config.imag_horizon
@@ -799,10 +804,10 @@ def test_train_step_weight_and_returns_against_reference():
 def test_actor_gradient_reaches_the_bootstrap_value(mode):
     """With zero rewards and no entropy bonus, the return is made of critic values only; the actor
     must still learn from it (dynamics: backprop through the values of imagined states)."""
-    _, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient", mode,
-                                  reward_fn=lambda feat, state, action: feat.sum(-1) * 0.0)
+    config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient",
+                                       mode, reward_fn=lambda feat, state, action: feat.sum(-1) * 0.0)
     perturb(ac.slow_critic, 38)
-    metrics = models.behavior_step(ac, start_states(wm, n=6), torch.ones(6))
+    metrics = models.behavior_step(ac, models.behavior_optimizers(config, ac), start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6
 
 

@@ -81,7 +81,8 @@ def test_compile_auto_stays_eager_for_the_debug_preset_and_compiles_a_long_cpu_r
                        "--batch_length", "64")
     long, notes = models.resolve_auto(long, spaces[1], spaces[0])
     assert long.compile is True and "more than the ~370 s warm-up" in notes["compile"]
-    assert dreamer.compile_note(long, notes["compile"]).endswith("; --compile False turns it off)")
+    assert dreamer.compile_note(long, notes["compile"]).endswith(
+        "; --compile False turns it off; a failure to compile stops the run)")
     # Without the observation space the model is unknown: eager on a CPU.
     unknown, notes = models.resolve_auto(make_config("--compile", "auto", "--steps", "1000000"), spaces[1])
     assert "compile" in notes and unknown.compile is False

@@ -147,8 +147,8 @@ def test_odd_kernel_size_keeps_the_image_sizes(spaces, kernel):
         convs = [m for m in network if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
         assert convs and all(c.kernel_size == (kernel, kernel) for c in convs), part
         data = agent.wm.preprocess(fake_batch(spaces, batch=2, length=3))
-        loss, _, _, metrics = agent.wm.loss(data)  # raises on a size mismatch anywhere
-        assert torch.isfinite(loss)
+        terms, _, _, metrics = agent.wm.loss(data)  # raises on a size mismatch anywhere
+        assert torch.isfinite(models.scaled_sum(terms, agent.wm.scales))
         assert agent.wm.heads["decoder"](torch.zeros(1, agent.wm.rssm.feat_size))["image"].mode().shape == (
             1, 16, 16, 3)
 
@@ -220,11 +220,12 @@ def test_decoder_dists_give_squared_errors_in_their_space(spaces, vector_dist):
     for key, part in (("position", raw[..., :3]), ("velocity", raw[..., 3:])):
         want = -((part - space(target[key].double().numpy())) ** 2).sum(-1)
         np.testing.assert_allclose(dists[key].log_prob(target[key]).double().numpy(), want, rtol=1e-5)
-    # image_dist 'mse' (its only value): squared error summed over height, width and channels.
+    # The image's distribution: squared error summed over height, width and channels.
     want = -((image - target["image"].double().numpy()) ** 2).sum((-3, -2, -1))
     np.testing.assert_allclose(dists["image"].log_prob(target["image"]).double().numpy(), want, rtol=1e-5)
-    with pytest.raises(tools.ConfigError, match="decoder.image_dist"):
-        make_config("--decoder.image_dist", "laplace")
+    # decoder.image_dist, which named that one choice and was read by nothing, is gone
+    with pytest.raises(tools.ConfigError, match="Unknown config key '--decoder.image_dist'"):
+        make_config("--decoder.image_dist", "mse")
 
 
 def test_reward_and_cont_loss_scales_multiply_their_terms(spaces):
@@ -235,7 +236,8 @@ def test_reward_and_cont_loss_scales_multiply_their_terms(spaces):
     results = []
     for agent in (base, scaled):
         torch.manual_seed(4)  # the same posterior samples
-        loss, _, _, metrics = agent.wm.loss(data)
+        terms, _, _, metrics = agent.wm.loss(data)
+        loss = models.scaled_sum(terms, agent.wm.scales)
         results.append((loss.item(), {k: v.item() for k, v in metrics.items()}))
     (loss1, m1), (loss2, m2) = results
     assert m1["reward_loss"] > 0 and m1["cont_loss"] > 0
@@ -256,8 +258,8 @@ def kl_case(spaces, reference, dyn_scale, rep_scale, free):
     wm = agent.wm
     data = wm.preprocess(fake_batch(spaces, batch=8, length=1, seed=5))
     _, _, _, metrics = wm.loss(data)
-    wm.optimizer.opt.zero_grad(set_to_none=True)
-    wm.loss(data)[0].backward()
+    wm.zero_grad(set_to_none=True)
+    models.scaled_sum(wm.loss(data)[0], wm.scales).backward()
     rssm = wm.rssm
     prior_grad = flat_grad([*rssm.img_out.parameters(), *rssm.img_stats.parameters()])
     post_grad = flat_grad([*rssm.obs_out.parameters(), *rssm.obs_stats.parameters(), *wm.encoder.parameters()])
@@ -445,9 +447,9 @@ def test_imag_horizon_is_the_length_of_imagined_trajectories(spaces, horizon):
 # ----------------------------------------------------------------------------------------------
 
 OPTIMIZERS = {  # name: (the agent's optimizer, its lr, eps and grad_clip keys)
-    "model": (lambda agent: agent.wm.optimizer, "--model_lr", "--opt_eps", "--grad_clip"),
-    "actor": (lambda agent: agent.task_behavior.actor_opt, "--actor.lr", "--actor.eps", "--actor.grad_clip"),
-    "critic": (lambda agent: agent.task_behavior.critic_opt, "--critic.lr", "--critic.eps", "--critic.grad_clip"),
+    "model": (lambda agent: agent.optimizers()["model"], "--model_lr", "--opt_eps", "--grad_clip"),
+    "actor": (lambda agent: agent.optimizers()["task/actor"], "--actor.lr", "--actor.eps", "--actor.grad_clip"),
+    "critic": (lambda agent: agent.optimizers()["task/critic"], "--critic.lr", "--critic.eps", "--critic.grad_clip"),
 }
 
 
@@ -484,15 +486,15 @@ def test_lr_eps_and_grad_clip_set_each_optimizer_and_only_it(spaces, name):
 def test_opt_and_weight_decay_choose_coupled_or_decoupled_decay(spaces, opt):
     agent, _ = make_agent(spaces, "--opt", opt, "--weight_decay", "0.2", "--model_lr", "0.1")
     cls = models.AdamW if opt == "adamw" else models.Adam
-    optimizers = [agent.wm.optimizer, agent.task_behavior.actor_opt, agent.task_behavior.critic_opt]
+    optimizers = [agent.optimizers()[name] for name in ("model", "task/actor", "task/critic")]
     assert all(type(o.opt) is cls for o in optimizers)
-    assert agent.wm.optimizer.opt.param_groups[0]["weight_decay"] == 0.2
+    assert optimizers[0].opt.param_groups[0]["weight_decay"] == 0.2
     assert [o.opt.param_groups[0]["weight_decay"] for o in optimizers[1:]] == [0.0, 0.0]  # world model only
     # A step with zero loss gradient leaves only the decay: AdamW shrinks every weight by lr * wd,
     # Adam adds wd * p to the gradient, which its normalisation turns into a step of about lr.
-    params = agent.wm.optimizer.params
+    params = optimizers[0].params
     before = [p.detach().clone().double() for p in params]
-    agent.wm.optimizer(sum((p * 0).sum() for p in params))
+    optimizers[0](sum((p * 0).sum() for p in params))
     for p, old in zip(params, before):
         if opt == "adamw":
             want = old * (1 - 0.1 * 0.2)

@@ -1,7 +1,8 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
-that no term escapes, one loss function per learner shared by both update modes, a read-only
-config, choices declared once, and imports in one direction (compilation of every network a preset
-builds: tests/test_compile.py)."""
+that no term escapes, one train step in the official three parts shared by both update modes (which
+only choose the optimizers), a read-only config, choices and ranges declared once beside their
+readers, exhaustive dispatch, the train-ratio arithmetic in one place, and imports in one direction
+(compilation of every network a preset builds: tests/test_compile.py)."""
 
 import ast
 import pathlib
@@ -63,15 +64,15 @@ def test_loss_table_holds_every_term_with_its_configured_scale():
 
 
 def test_reward_scale_multiplies_its_term_in_the_world_model_loss():
-    """loss = mean over (B, T) of the sum of the scaled terms and the KL: doubling the reward scale
+    """loss = the sum of each term's mean over (B, T) times its scale: doubling the reward scale
     adds exactly the unscaled reward term's mean once more."""
     losses = {}
     for scale in (1.0, 2.0):
         agent, env = make_agent("--reward_head.loss_scale", str(scale))
         data = agent.wm.preprocess(batch_for(agent, env))
         torch.manual_seed(1)
-        loss, _, _, metrics = agent.wm.loss(data)
-        losses[scale] = (loss.item(), metrics["reward_loss"].item())
+        terms, _, _, metrics = agent.wm.loss(data)
+        losses[scale] = (models.scaled_sum(terms, agent.wm.scales).item(), metrics["reward_loss"].item())
     assert losses[2.0][1] == pytest.approx(2 * losses[1.0][1], rel=1e-5)
     assert losses[2.0][0] - losses[1.0][0] == pytest.approx(losses[1.0][1], rel=1e-4, abs=1e-6)
 
@@ -125,22 +126,23 @@ def test_a_term_added_to_a_loss_reaches_both_update_modes(update, monkeypatch):
     """A term added in WorldModel.loss and one added in ActorCritic.loss show up in the metrics and
     move the weights of either update mode: neither mode has a loss of its own."""
     flags = ["--update", update] + (["--imag_gradient", "reinforce"] if update == "joint" else [])
-    wm_loss, ac_loss = models.WorldModel.loss, models.ActorCritic.loss
+    scales, ac_loss = models.loss_scales, models.ActorCritic.loss
+    reward_loss = models.WorldModel.HEAD_LOSSES["reward"]
 
-    def wm_with_term(self, data, start=None):
-        loss, post, embed, metrics = wm_loss(self, data, start)
+    def reward_with_term(self, pred, data):  # a new term of the world model: a head's loss and a scale
         extra = 1e3 * self.heads["reward"].out.bias.sum()  # pushes the reward head's bias down
-        return loss + extra, post, embed, {**metrics, "extra_loss": extra.detach()}
+        return {**reward_loss(self, pred, data), "extra": extra * torch.ones_like(data["reward"])}
 
-    def ac_with_term(self, start, start_cont, replay=None):
-        actor, critic, metrics = ac_loss(self, start, start_cont, replay)
+    def ac_with_term(self, start, start_cont):
+        terms, returns, metrics = ac_loss(self, start, start_cont)
         extra = 1e3 * self.critic.out.bias.sum()
-        return actor, critic + extra, {**metrics, "critic_extra_loss": extra.detach()}
+        return {**terms, "critic": terms["critic"] + extra}, returns, {**metrics, "critic_extra_loss": extra.detach()}
 
     results = {}
     for name, patched in (("plain", False), ("patched", True)):
         if patched:
-            monkeypatch.setattr(models.WorldModel, "loss", wm_with_term)
+            monkeypatch.setattr(models, "loss_scales", lambda config, keys: {**scales(config, keys), "extra": 1.0})
+            monkeypatch.setitem(models.WorldModel.HEAD_LOSSES, "reward", reward_with_term)
             monkeypatch.setattr(models.ActorCritic, "loss", ac_with_term)
         agent, env = make_agent(*flags)
         batch = batch_for(agent, env)
@@ -166,6 +168,78 @@ def test_slow_critic_and_prefix_are_applied_once_per_update_in_both_modes():
     metrics = agent.train_step(batch_for(agent, env))
     assert "expl_actor_loss" in metrics and "actor_loss" in metrics
     assert int(agent.expl_behavior.behavior.updates) == 1 and int(agent.task_behavior.updates) == 1
+
+
+def test_the_update_reads_in_the_official_three_parts():
+    """models.Update.train_step holds the whole update, in danijar/dreamerv3's order (Agent.loss)."""
+    import inspect
+
+    source = inspect.getsource(models.Update.train_step)
+    marks = [source.index(f"# {part}") for part in ("World model", "Imagination", "Replay")]
+    assert marks == sorted(marks)
+    assert "check_terms(losses" in source[marks[-1]:]
+
+
+@pytest.mark.parametrize("update", ["sequential", "joint"])
+def test_a_term_of_the_wrong_shape_or_without_a_scale_fails_the_update(update, monkeypatch):
+    flags = ["--update", update, "--imag_gradient", "reinforce"]
+    agent, env = make_agent(*flags, "--critic.repval", "0.3")
+    batch = batch_for(agent, env)
+    ac_loss = models.ActorCritic.loss
+
+    def per_step(self, start, start_cont):  # the actor term left (N, 1): not one value per start state
+        terms, returns, metrics = ac_loss(self, start, start_cont)
+        return {**terms, "actor": terms["actor"][:, None]}, returns, metrics
+
+    monkeypatch.setattr(models.ActorCritic, "loss", per_step)
+    with pytest.raises((AssertionError, RuntimeError), match="actor|shape"):
+        agent.train_step(batch)
+    monkeypatch.undo()
+
+    def extra(self, start, start_cont):
+        terms, returns, metrics = ac_loss(self, start, start_cont)
+        return {**terms, "entropy": terms["actor"]}, returns, metrics
+
+    monkeypatch.setattr(models.ActorCritic, "loss", extra)
+    with pytest.raises(KeyError, match=r"loss terms \['entropy'\] have no scale"):
+        agent.train_step(batch_for(agent, env))
+
+
+def test_optimizers_follow_the_update_mode():
+    """sequential: one optimizer per network; joint: one, and no per-network optimizer is built,
+    saved or loaded; Plan2Explore's actor-critic keeps its own under both."""
+    agent, _ = make_agent()
+    assert set(agent.optimizers()) == {"model", "task/actor", "task/critic"}
+    assert set(agent.optimizer_state()) == {"model", "task"}
+    joint, _ = make_agent("--update", "joint", "--imag_gradient", "reinforce")
+    assert set(joint.optimizers()) == {"update"}
+    assert set(joint.optimizer_state()) == {"update"}
+    # every parameter of the world model, actor and critic is stepped by the one optimizer
+    stepped = {id(p) for p in joint.optimizers()["update"].params}
+    learners = [joint.wm, joint.task_behavior.actor, joint.task_behavior.critic]
+    assert stepped == {id(p) for m in learners for p in m.parameters()}
+    # A joint checkpoint written while the per-network optimizers were still built holds them too: not read.
+    sequential_state = agent.optimizer_state()
+    assert joint.load_optimizer_state({**joint.optimizer_state(), **sequential_state}) == []
+    p2e, _ = make_agent("--update", "joint", "--imag_gradient", "reinforce", "--expl_behavior", "plan2explore")
+    assert set(p2e.optimizers()) == {"update", "expl/ensemble", "expl/behavior/actor", "expl/behavior/critic"}
+
+
+def test_the_keys_the_joint_update_ignores_are_named_with_the_reason():
+    """Under update 'joint' one optimizer with the world model's settings steps everything: the
+    actor's and critic's optimizer keys that differ from them are named in one start-up warning
+    (run_processes prints models.ignored_keys); none when they agree or another mode reads them."""
+    config = dreamer.parse(["--configs", "debug", "--update", "joint", "--imag_gradient", "reinforce", "--actor.lr",
+                            "1e-3", "--actor.eps", "1e-8", "--actor.grad_clip", "1000", "--critic.lr", "1e-4",
+                            "--critic.eps", "1e-8", "--critic.grad_clip", "1000"])  # all but actor.lr agree
+    assert models.ignored_keys(config) == [
+        "--actor.lr 0.001 ignored: under --update joint one optimizer steps the world model, actor and critic with "
+        "--model_lr 0.0001, --opt_eps 1e-08, --grad_clip 1000; use --update sequential for an optimizer per network"]
+    # recipe2024 sets the actor's and critic's keys to the world model's: nothing is lost
+    assert models.ignored_keys(dreamer.parse(["--configs", "recipe2024", "debug"])) == []
+    assert models.ignored_keys(config.replace(update="sequential")) == []  # every key is read
+    # Plan2Explore's actor-critic steps with the actor's and critic's keys under 'joint' too
+    assert models.ignored_keys(config.replace(expl_behavior="plan2explore")) == []
 
 
 # -- the read-only config --------------------------------------------------------------------------
@@ -219,6 +293,86 @@ def test_every_choice_is_declared_by_one_module():
     assert set(keys) == set(dreamer.CHOICES)
     defaults = tools.flatten(tools.load_presets()["defaults"])
     assert set(keys) <= set(defaults), set(keys) - set(defaults)
+
+
+def test_every_range_is_declared_by_one_module():
+    """Each module declares the ranges of the keys it reads (networks, models, exploration; the
+    run's own in dreamer.RUN_RANGES); parse checks the one merged table."""
+    tables = [networks.RANGES, models.RANGES, exploration.RANGES, dreamer.RUN_RANGES]
+    keys = [key for table in tables for key in table]
+    assert len(keys) == len(set(keys)), "a range declared twice"
+    assert set(keys) == set(dreamer.RANGES)
+    defaults = tools.flatten(tools.load_presets()["defaults"])
+    assert set(keys) <= set(defaults), set(keys) - set(defaults)
+    assert set(models.RANGES) >= {"model_lr", "actor.lr", "critic.repval", "discount", "imag_horizon"}
+    assert set(networks.RANGES) >= {"dyn_deter", "units", "encoder.cnn_keys"}
+
+
+@pytest.mark.parametrize("key, value", [("encoder.act", "Swish"), ("decoder.act", "Swish")])
+def test_the_encoder_and_decoder_activations_are_validated(key, value):
+    with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
+        dreamer.parse(["--configs", "debug", f"--{key}", value])
+
+
+# Each validated string key and how to build what dispatches on it: a value that parse would have
+# refused (here slipped past it with Config.replace) is an error naming the key, never a silent default.
+DISPATCH = {
+    "winit": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
+    "decoder.cnn": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
+    "dyn_cell": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
+    "initial": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
+    "expl_behavior": lambda config, env: exploration.make_behavior(
+        config, models.WorldModel(env.obs_space, env.act_space, config), env.act_space),
+    "disag_target": lambda config, env: exploration.Plan2Explore(
+        config, models.WorldModel(env.obs_space, env.act_space, config), env.act_space),
+    "update": lambda config, env: dreamer.Dreamer(env.obs_space, env.act_space, config),
+}
+
+
+@pytest.mark.parametrize("key", list(DISPATCH))
+def test_every_dispatch_on_a_validated_string_is_exhaustive(key):
+    config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--expl_behavior", "plan2explore"])
+    config, _ = models.resolve_auto(config, envs.make_env(config, "train", 0).act_space)
+    env = envs.make_env(config, "train", 0)
+    with pytest.raises((ValueError, KeyError), match=rf"{key.split('.')[-1]}|bogus"):
+        DISPATCH[key](config.replace({key: "bogus"}), env)
+
+
+def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
+    agent, env = make_agent()
+    behavior = agent.task_behavior
+    behavior.config = behavior.config.replace(imag_gradient="bogus")
+    start = agent.wm.rssm.initial(4)
+    with pytest.raises(ValueError, match="imag_gradient 'bogus' reached the actor loss unsettled"):
+        behavior.loss(start, torch.ones(4))
+
+
+def ratio_divisions(path):
+    """The functions of a module that divide a train ratio (a name ending in `ratio`)."""
+    found = set()
+    for func in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                names = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.left)
+                         if isinstance(n, (ast.Name, ast.Attribute))]
+                if any(name.endswith("ratio") for name in names):
+                    found.add(func.name)
+    return found
+
+
+def test_the_train_ratio_arithmetic_is_written_once():
+    """Updates owed = steps x train_ratio / replayed steps per update, in tools.updates_owed alone:
+    the loops' schedules, the rate limiter, the run's total and the resource sizing call it."""
+    found = {f"{path.stem}.{name}" for path in sorted(ROOT.glob("*.py")) for name in ratio_divisions(path)}
+    # RunLog.log divides the other way: the train ratio measured since the last log, for perf/train_ratio.
+    assert found == {"tools.updates_owed", "dreamer.log"}, found
+    config = dreamer.parse(["--configs", "debug", "--train_ratio", "3", "--batch_size", "2", "--batch_length", "5",
+                            "--steps", "100", "--prefill", "10", "--pretrain", "4", "--action_repeat", "2"])
+    assert tools.replayed_per_update(config) == 10
+    assert tools.Ratio(3, 10).owed(7) == int(tools.updates_owed(7, 3, 10)) == 2
+    assert tools.total_updates(config) == 4 + int(90 / 2 * 3 / 10)  # 45 policy steps after the prefill
 
 
 # -- imports in one direction ----------------------------------------------------------------------

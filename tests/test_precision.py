@@ -106,10 +106,7 @@ def test_bf16_update_computes_in_bfloat16_and_keeps_float32_state(monkeypatch, r
     assert dist_in and set(dist_in) == {torch.float32}  # two-hot, one-hot and latent logits
     assert {p.dtype for p in agent.parameters()} == {torch.float32}
     assert {v.dtype for v in agent.task_behavior.return_norm.state_dict().values()} == {torch.float32}
-    optimizers = [agent.wm.optimizer, agent.task_behavior.actor_opt, agent.task_behavior.critic_opt]
-    if agent.updater.optimizer is not None:
-        optimizers.append(agent.updater.optimizer)
-    for opt in optimizers:
+    for opt in agent.optimizers().values():
         assert not opt.scaler.is_enabled()
         moments = [t for state in opt.opt.state.values() for t in state.values()
                    if torch.is_tensor(t) and t.is_floating_point() and t.dim()]

@@ -292,11 +292,12 @@ def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
     config = make_config("--opt", "laprop", "--agc", "0.3", "--warmup", "3", "--grad_clip", "0",
                          "--actor.grad_clip", "0", "--critic.grad_clip", "0", "--expl_behavior", "plan2explore")
     agent = dreamer.Dreamer(*spaces(), config)
-    optimizers = [agent.wm.optimizer, agent.task_behavior.actor_opt, agent.task_behavior.critic_opt,
-                  agent.expl_behavior.optimizer]
-    for opt in optimizers:
+    optimizers = agent.optimizers()
+    assert set(optimizers) == {"model", "task/actor", "task/critic", "expl/ensemble", "expl/behavior/actor",
+                               "expl/behavior/critic"}
+    for opt in optimizers.values():
         assert isinstance(opt.opt, models.LaProp) and opt.agc == 0.3 and opt.warmup == 3
-    opt = agent.task_behavior.critic_opt
+    opt = optimizers["task/critic"]
     coeffs = [torch.randn(p.shape, generator=gen(30)) * 1e3 for p in opt.params]
     rates = []
     for _ in range(4):
@@ -310,7 +311,7 @@ def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
         bound = 0.3 * max(1e-3, float(torch.linalg.vector_norm(old)))
         torch.testing.assert_close(p.grad, c * min(1.0, bound / float(torch.linalg.vector_norm(c))))
     default = dreamer.Dreamer(*spaces(), make_config())
-    assert type(default.wm.optimizer.opt) is models.Adam and default.wm.optimizer.agc == 0
+    assert type(default.optimizers()["model"].opt) is models.Adam and default.optimizers()["model"].agc == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -599,7 +600,7 @@ def test_every_size_on_images_has_the_official_count(size):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_replay_lambda_return_matches_the_recursion_written_out():
+def test_replay_return_matches_the_recursion_written_out():
     import models
     rng = np.random.default_rng(60)
     B, T, gamma, lam = 3, 6, 0.99, 0.95
@@ -621,7 +622,7 @@ def test_replay_lambda_return_matches_the_recursion_written_out():
                 ret = reward[b, nxt] + gamma * ((1 - lam) * boot[b, nxt] + lam * ret)
             want[b, t] = ret
     as_t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    got = models.replay_lambda_return(as_t(reward), as_t(is_last), as_t(is_terminal), as_t(boot), gamma, lam)
+    got = models.replay_return(as_t(reward), as_t(is_last), as_t(is_terminal), as_t(boot), gamma, lam)
     np.testing.assert_allclose(to_np(got), want, rtol=1e-10)
 
 
@@ -672,12 +673,14 @@ def test_joint_update_is_one_laprop_step_on_the_sum_of_all_losses():
     # Written out: all losses at the starting parameters, one gradient, one LaProp + AGC step.
     torch.manual_seed(5)
     data = reference.wm.preprocess(batch)
-    model_loss, post, _, _ = reference.wm.loss(data)
+    terms, post, _, _ = reference.wm.loss(data)
+    model_loss = sum(reference.wm.scales[k] * v.mean() for k, v in terms.items())
     start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}
-    replay = {k: data[k] for k in ("reward", "is_last", "is_terminal")}
-    replay["feat"] = reference.wm.rssm.get_feat(post)
     behavior = reference.task_behavior
-    actor_loss, critic_loss, _ = behavior.loss(start, data["cont"].reshape(-1), replay)
+    terms, returns, _ = behavior.loss(start, data["cont"].reshape(-1))
+    # the replay value loss on the posterior features with their graph: it trains the world model too
+    repval = behavior.replay_loss(reference.wm.rssm.get_feat(post), data, returns[0].detach().reshape(2, 4))
+    actor_loss, critic_loss = terms["actor"].mean(), terms["critic"].mean() + 0.3 * repval.mean()
     modules = (reference.wm, behavior.actor, behavior.critic)
     params = [p for m in modules for p in m.parameters()]
     grads = torch.autograd.grad(model_loss + actor_loss + critic_loss, params, allow_unused=True)
@@ -727,7 +730,8 @@ def test_actor_absmax_bounds_the_samples_or_leaves_them_to_the_environment(absma
 
 
 def test_joint_update_refuses_the_dynamics_gradient():
-    with pytest.raises(ValueError, match="imag_gradient 'reinforce'"):
+    with pytest.raises(tools.ConfigError, match="Invalid value 'dynamics' for --imag_gradient: --update joint needs "
+                                                "reinforce"):
         vector_setup("--update", "joint", "--imag_gradient", "dynamics")
 
 
@@ -773,5 +777,5 @@ def test_distribute_reaches_the_joint_optimizer():
     agent, _ = vector_setup(*JOINT)
     ranks = tools.SingleProcess()
     agent.distribute(ranks)
-    assert agent.updater.optimizer.ranks is ranks
-    assert agent.wm.optimizer.ranks is ranks and agent.task_behavior.critic_opt.ranks is ranks
+    assert set(agent.optimizers()) == {"update"}  # the one optimizer, none per network
+    assert agent.optimizers()["update"].ranks is ranks

@@ -355,6 +355,24 @@ def test_bad_values_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, arg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_an_offline_run_whose_episodes_are_all_skipped_fails_at_start(tmp_path, capsys):
+    """Offline, the episodes are all there is to learn from: when every file is skipped (here one of
+    another task's spaces) the run would finish with zero updates; it ends at start in one line."""
+    offline = tmp_path / "offline"
+    storage.save_episode(offline, {"image": np.zeros((50, 8, 8, 3), np.uint8), "action": np.zeros((50, 2), np.float32),
+                                   "reward": np.zeros(50, np.float32), "is_first": np.eye(50, dtype=bool)[0],
+                                   "is_last": np.zeros(50, bool), "is_terminal": np.zeros(50, bool)})
+    logdir = tmp_path / "run"
+    code, out, err = main(capsys, *SHORT[:2], "--eval_episode_num", "1", "--time_limit", "40", "--logdir", str(logdir),
+                          "--offline_traindir", str(offline), "--envs", "0")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "", err
+    assert lines[0].startswith("warning: skipping episode") and len(lines) == 2, err
+    assert lines[-1] == (f"error: Invalid value '{offline}' for --offline_traindir: its episodes hold no sequence "
+                         "of 20 steps to train on (0 replay steps loaded, 1 files skipped)")
+    assert not logdir.exists()  # nothing written
+
+
 def test_an_invalid_saved_config_is_one_line(run_copy, capsys):
     (run_copy / "config.yaml").write_text("task: [unclosed\n")
     before = snapshot(run_copy)

@@ -106,7 +106,8 @@ def test_the_actor_and_critic_losses_reach_only_their_own_weights(spaces, gradie
     start = agent.wm.rssm.initial(8)
     start = {k: v + 0.1 * torch.randn(v.shape, generator=gen(2)) for k, v in start.items()}
     with models.frozen(agent.wm):
-        actor_loss, critic_loss, _ = behavior.loss(start, torch.ones(8))
+        terms, _, _ = behavior.loss(start, torch.ones(8))
+    actor_loss, critic_loss = terms["actor"].mean(), terms["critic"].mean()
     actor, critic = list(behavior.actor.parameters()), list(behavior.critic.parameters())
     into_critic = torch.autograd.grad(actor_loss, critic, retain_graph=True, allow_unused=True)
     into_actor = torch.autograd.grad(critic_loss, actor, retain_graph=True, allow_unused=True)
@@ -218,7 +219,7 @@ def test_every_region_ran_compiled_with_no_graph_break(compared):
     case, compiled, _, breaks = compared
     assert breaks == 0, case
     names = {region.name for region in compiled.compiled}
-    expected = {"WorldModel.loss", "ActorCritic.loss", "JointUpdate.loss", "Plan2Explore.ensemble_loss"}
+    expected = {"WorldModel.loss", "ActorCritic.loss", "ActorCritic.replay_loss", "Plan2Explore.ensemble_loss"}
     assert names >= {"Dreamer.act", "ActorCritic.update_slow_critic"} and names & expected, case
     assert all(region.calls >= 1 for region in compiled.compiled if region.name != "Dreamer.act"), case
     # The optimizers that step are regions: each network's own in the sequential update, the one
@@ -232,9 +233,7 @@ def test_every_region_ran_compiled_with_no_graph_break(compared):
 
 
 def optimizers(agent):
-    found = [value for module in agent.modules() for value in vars(module).values()
-             if isinstance(value, models.Optimizer)]
-    return found + ([agent.updater.optimizer] if agent.updater.optimizer is not None else [])
+    return list(agent.optimizers().values())
 
 
 def test_the_compiled_policy_acts_as_the_eager_one(compared):
