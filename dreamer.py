@@ -9,8 +9,9 @@ agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `Asyn
 and learns; then its `Checkpoints`, its `RunLog` (logs and evaluation), --eval_only, the start-up
 summary, and last the run's own flag tables. Rerunning the same command resumes.
 
-The config machinery lives in tools.py (Configuration), experience collection and resource
-sizing in parallel.py, the world model, actor-critic and update strategies in models.py.
+The config machinery lives in tools.py (Configuration), episode files and the replay in
+storage.py, logging and progress in logs.py, experience collection and resource sizing in
+parallel.py, the world model, actor-critic and update strategies in models.py.
 """
 
 import collections
@@ -32,9 +33,11 @@ from torch import nn
 
 import envs
 import exploration
+import logs
 import models
 import networks
 import parallel
+import storage
 import tools
 
 
@@ -96,7 +99,7 @@ def setup(argv):
     device fell back to the CPU (or None) and the differences from the run's saved config."""
     config = parse(sys.argv[1:] if argv is None else argv)
     check_processes(config)
-    tools.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
+    logs.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
     if not config.logdir:
         raise tools.ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
     config = check_tasks(config)
@@ -244,7 +247,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
-        spec = {**tools.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
+        spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
                       resources.weights(), resolved, spec), flush=True)
         for line in resources.lines:
@@ -409,27 +412,27 @@ class StoredEpisodes:
             self.traindir = self.traindir / f"rank{rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.skipped = 0
-        spec = tools.episode_spec(env.obs_space, env.act_space) if env is not None else None
+        spec = storage.episode_spec(env.obs_space, env.act_space) if env is not None else None
         # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
         # is the evaluation replay's).
-        self.replay = tools.Replay(config.dataset_size, max(1, config.envs),
+        self.replay = storage.Replay(config.dataset_size, max(1, config.envs),
                                    config.seed + (1 + 1000 * rank if rank else 0),
                                    device=config.device if config.replay_device else None)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         # Training episodes hold the policy's latents too when the replay context wants them.
         train_spec = {**spec, **context_spec} if spec is not None else None
         loaded_steps = 0
-        for i, episode in enumerate(tools.load_episodes(source, config.dataset_size, train_spec, self.skip)):
-            self.replay.add_episode(tools.strip_logs(episode), i % len(self.replay.streams))
+        for i, episode in enumerate(storage.load_episodes(source, config.dataset_size, train_spec, self.skip)):
+            self.replay.add_episode(storage.strip_logs(episode), i % len(self.replay.streams))
             loaded_steps += len(episode["reward"]) - 1
-        self.eval_replay = tools.Replay(100 * config.batch_length, 1, config.seed + 1)
+        self.eval_replay = storage.Replay(100 * config.batch_length, 1, config.seed + 1)
         source = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
-        for episode in tools.load_episodes(source, 100 * config.batch_length, spec, self.skip):
-            self.eval_replay.add_episode(tools.strip_logs(episode))
+        for episode in storage.load_episodes(source, 100 * config.batch_length, spec, self.skip):
+            self.eval_replay.add_episode(storage.strip_logs(episode))
         self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
 
     def skip(self, filename, problem):
-        tools.skip_warning(filename, problem)
+        storage.skip_warning(filename, problem)
         self.skipped += 1
 
 
@@ -472,7 +475,7 @@ class Trainer:
         self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(self)
-        self.first_calls = tools.FirstCalls("compile warm-up", lambda: self.progress.interactive)
+        self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
 
     @property
     def frames(self):
@@ -480,9 +483,9 @@ class Trainer:
 
     @functools.cached_property
     def feed(self):
-        """The learner's replay batches (tools.Prefetcher), made at the first update."""
+        """The learner's replay batches (storage.Prefetcher), made at the first update."""
         config = self.config
-        return tools.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
+        return storage.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
                                 config.device)
 
     # -- the components' entry points, for the loops and tests ---------------------------------------
@@ -612,14 +615,14 @@ def prefill_and_pretrain(trainer):
         def random_policy(obs, state):
             return uniform.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
 
-        with tools.Phase("prefill", config.prefill, "frame", interactive) as phase:
+        with logs.Phase("prefill", config.prefill, "frame", interactive) as phase:
             while trainer.frames < config.prefill:
                 trainer.collect(random_policy)
                 phase.update(min(trainer.frames, config.prefill))
                 trainer.agreement.settle(True)  # no updates in the prefill: its steps are the boundary
                 trainer.stop_if_asked()
     if config.pretrain:
-        with tools.Phase("pretrain", config.pretrain, "update", interactive) as phase:
+        with logs.Phase("pretrain", config.pretrain, "update", interactive) as phase:
             trainer.update(config.pretrain, phase)
     trainer.schedules["train"].updates = trainer.schedules["train"].owed(trainer.counters.policy_steps)
 
@@ -782,7 +785,7 @@ class Checkpoints:
         config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
         state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device)
         trainer.notes += [f"WARNING: {note}" for note in notes]
-        stored = 0 if config.offline_traindir else tools.stored_steps(trainer.traindir)
+        stored = 0 if config.offline_traindir else storage.stored_steps(trainer.traindir)
         if state is None:
             counters.stored_steps = stored
             # Episodes of a run killed before its first checkpoint count towards the budget.
@@ -823,7 +826,7 @@ class Checkpoints:
         with trainer.loop.between_steps():  # counters, schedules and episodes on disk agree
             trainer.count_episodes()
             if trainer.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
-                trainer.counters.stored_steps = tools.stored_steps(trainer.traindir)
+                trainer.counters.stored_steps = storage.stored_steps(trainer.traindir)
             # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
             own = ranks.gather_object({"rng": tools.rng_state(trainer.replay.rng),
                                        "stored_steps": trainer.counters.stored_steps})
@@ -908,11 +911,11 @@ class RunLog:
     def open(self):
         trainer = self.trainer
         config = trainer.config
-        self.logger = (tools.Logger(trainer.logdir, trainer.frames, config.logger, config.to_dict())
-                       if trainer.ranks.is_main else tools.NullLogger())
+        self.logger = (logs.Logger(trainer.logdir, trainer.frames, config.logger, config.to_dict())
+                       if trainer.ranks.is_main else logs.NullLogger())
         self.logger.text("config", "```\n" + json.dumps(trainer.config.to_dict(), indent=2) + "\n```",
                          trainer.frames)
-        self.progress = tools.Progress(trainer.config.steps, trainer.frames)
+        self.progress = logs.Progress(trainer.config.steps, trainer.frames)
 
     def close(self):
         self.progress.close()
@@ -924,12 +927,12 @@ class RunLog:
 
     def add_episode(self, episode):
         self.recent_episodes.append(episode)
-        stats = episode_stats(episode)
+        stats = logs.episode_stats(episode)
         self.logger.scalar("train/return", stats["return"])
         self.logger.scalar("train/length", stats["length"])
         tasks = self.trainer.tasks
         if len(tasks) > 1:  # beside the mean over all tasks
-            task = next(iter(by_task(tasks, [episode])))
+            task = next(iter(logs.by_task(tasks, [episode])))
             self.logger.scalar(f"train/{task}/return", stats["return"])
             self.logger.scalar(f"train/{task}/length", stats["length"])
         self.progress.update(self.trainer.frames, train_return=stats["return"])
@@ -941,7 +944,7 @@ class RunLog:
         trainer.count_episodes()
         now, steps, frames = time.time(), counters.policy_steps, trainer.frames
         for key, values in self.metrics.items():
-            self.logger.scalar(metric_name(key), torch.stack(values).float().mean())
+            self.logger.scalar(logs.metric_name(key), torch.stack(values).float().mean())
         self.metrics.clear()
         seconds = max(now - self.last_log[0], 1e-9)
         fps = (steps - self.last_log[1]) * config.action_repeat / seconds
@@ -960,7 +963,7 @@ class RunLog:
         if trainer.collector is not None:
             self.logger.scalar("train/dropped_episodes", trainer.collector.dropped)
             self.log_env_status()
-        log_episode_metrics(self.logger, "train", trainer.tasks, self.recent_episodes)
+        logs.log_episode_metrics(self.logger, "train", trainer.tasks, self.recent_episodes)
         self.log_task_frames(frames)
         self.recent_episodes.clear()
         if self.films_predictions(trainer.replay):
@@ -993,7 +996,7 @@ class RunLog:
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
         if not self.progress.interactive:
-            print(tools.env_status_line(rows), flush=True)
+            print(logs.env_status_line(rows), flush=True)
 
     @property
     def evaluates(self):
@@ -1008,8 +1011,8 @@ class RunLog:
             return
         episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num, trainer.evaldir)
         for episode in episodes:
-            trainer.eval_replay.add_episode(tools.strip_logs(episode))
-        returns = log_evaluation(self.logger, episodes, config)
+            trainer.eval_replay.add_episode(storage.strip_logs(episode))
+        returns = logs.log_evaluation(self.logger, episodes, config)
         if self.films_predictions(trainer.eval_replay):
             batch = trainer.agent.wm.preprocess(trainer.eval_replay.sample(6, config.batch_length))
             self.logger.video("eval/openl", trainer.agent.wm.video_pred(batch))
@@ -1036,69 +1039,13 @@ class RunLog:
                 first[key] = (self.trainer.counters.updates - len(values) + index + 1, float(values[index]))
         key = min(first, key=lambda k: first[k][0])
         update, value = first[key]
-        raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
+        raise NonFiniteError(f"non-finite {logs.metric_name(key)} ({value}) at update {update}; the run stops "
                              f"without saving ({self.trainer.checkpoints.kept()})")
 
-
-def episode_stats(episode):
-    return {"return": float(episode["reward"].sum()), "length": len(episode["reward"]) - 1}
-
-
-def by_task(tasks, episodes):
-    """{task name: its episodes}, in the order of `tasks`, for the tasks that have any. An episode
-    without a `task` key (stored before runs of several tasks existed) is of the first task."""
-    groups = {}
-    for episode in episodes:
-        index = int(episode["task"][0]) if "task" in episode else 0
-        groups.setdefault(index, []).append(episode)
-    return {tasks[i]: groups[i] for i in sorted(groups)}
-
-
-def log_episode_metrics(logger, prefix, tasks, episodes):
-    """The suites' own scalars (envs.episode_metrics) of each task: <prefix>/<key> with one task,
-    <prefix>/<task>/<key> with several."""
-    for task, group in by_task(tasks, episodes).items():
-        scope = f"{prefix}/{task}" if len(tasks) > 1 else prefix
-        for key, value in envs.episode_metrics(task, group).items():
-            logger.scalar(f"{scope}/{key}", value)
-
-
-ACTOR_METRICS = ("return_scale", "advantage", "imag_reward", "imag_return")
-
-
-def metric_name(key):
-    """Group metrics in TensorBoard: expl/, actor/, critic/ or world_model/."""
-    if key.startswith("expl_"):
-        return f"expl/{key[5:]}"
-    if key.startswith("actor") or key in ACTOR_METRICS:
-        return f"actor/{key}"
-    if key.startswith("critic") or key == "imag_value":
-        return f"critic/{key}"
-    return f"world_model/{key}"
 
 # ==================================================================================================
 # Evaluation
 # ==================================================================================================
-
-
-def log_evaluation(logger, episodes, config):
-    """eval/return, return_std, length and episodes over all episodes; with several tasks the same
-    for each task as eval/<task>/..., and the suites' own metrics per task."""
-    tasks = envs.parse_tasks(config.task)
-    groups = {"eval": episodes}
-    if len(tasks) > 1:
-        groups.update({f"eval/{task}": group for task, group in by_task(tasks, episodes).items()})
-    for scope, group in groups.items():
-        returns = [episode_stats(e)["return"] for e in group]
-        logger.scalar(f"{scope}/return", float(np.mean(returns)))
-        logger.scalar(f"{scope}/return_std", float(np.std(returns)))
-        logger.scalar(f"{scope}/length", float(np.mean([episode_stats(e)["length"] for e in group])))
-        logger.scalar(f"{scope}/episodes", len(group))
-    log_episode_metrics(logger, "eval", tasks, episodes)
-    returns = [episode_stats(e)["return"] for e in episodes]
-    if config.video_pred_log and "image" in episodes[0]:
-        logger.video("eval/policy", episodes[0]["image"][None])
-    return returns
 
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
@@ -1109,7 +1056,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     tools.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
-    returns = [episode_stats(e)["return"] for e in episodes]
+    returns = [logs.episode_stats(e)["return"] for e in episodes]
     out = logdir / "eval_only"
     out.mkdir(exist_ok=True)
     result = {"frame": state["counters"]["policy_steps"] * config.action_repeat, "returns": returns,
@@ -1117,13 +1064,13 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     tasks = envs.parse_tasks(config.task)
     if len(tasks) > 1:
         result["tasks"] = {}
-        for task, group in by_task(tasks, episodes).items():
-            task_returns = [episode_stats(e)["return"] for e in group]
+        for task, group in logs.by_task(tasks, episodes).items():
+            task_returns = [logs.episode_stats(e)["return"] for e in group]
             result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
                                      "std": float(np.std(task_returns))}
     tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
     if "image" in episodes[0]:
-        tools.write_mp4(out / "episode.mp4", episodes[0]["image"])
+        logs.write_mp4(out / "episode.mp4", episodes[0]["image"])
     print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
           f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
     return result
@@ -1136,7 +1083,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
 
 def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, resolved=None, spec=None):
     """The start-up summary: what runs where, what differs from defaults, how big the model is and,
-    given the stored step's `spec` (tools.episode_spec with the replay context's latents), what the
+    given the stored step's `spec` (storage.episode_spec with the replay context's latents), what the
     run will cost. `weights`: the task weights the training environments were made with
     (Resources.weights()); `resolved`: the keys that were 'auto' (models.resolve_auto; by default
     those the agent settled)."""
@@ -1166,7 +1113,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
         f"Logdir: {config.logdir}",
         "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
-        *(tools.cost_lines(config, spec) if spec is not None else []),
+        *(storage.cost_lines(config, spec) if spec is not None else []),
         "Changed from defaults: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "none"),
     ]
     return "\n".join(lines)

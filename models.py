@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import networks
+import storage
 import tools
 
 # ==================================================================================================
@@ -140,7 +141,7 @@ class WorldModel(nn.Module):
         for key, value in obs.items():
             if key.startswith("log_"):
                 continue
-            # A tensor is already on the device (tools.Prefetcher) or is copied there.
+            # A tensor is already on the device (storage.Prefetcher) or is copied there.
             value = torch.as_tensor(value if isinstance(value, torch.Tensor) else np.asarray(value), device=device)
             data[key] = value.float() / 255.0 if value.dtype == torch.uint8 else value.float()
         if "is_terminal" in data:
@@ -620,7 +621,7 @@ class ReplayContext:
     the state anyway. K = 0 (v1): nothing is stored, sequences start from the initial state.
     """
 
-    PREFIX = tools.LATENT
+    PREFIX = storage.LATENT
 
     def __init__(self, config):
         self.steps = config.replay_context

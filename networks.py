@@ -171,6 +171,35 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class SplitLinear(nn.Module):
+    """Dense layers side by side on one input, their outputs concatenated: a layer whose output parts
+    are separate parameters, as in the official code, where the actor's mean and std and each vector
+    key of the decoder have a layer of their own. It matters for adaptive gradient clipping, which
+    scales each parameter by its own norm: one merged matrix would share one factor."""
+
+    def __init__(self, inp, sizes):
+        super().__init__()
+        self.sizes = [int(n) for n in sizes]
+        self.parts = nn.ModuleList(nn.Linear(inp, n) for n in self.sizes)
+        self.in_features, self.out_features = inp, sum(self.sizes)
+
+    @property
+    def weight(self):  # (out, in), the parts stacked: to read, not a parameter
+        return torch.cat([part.weight for part in self.parts], 0)
+
+    def forward(self, x):  # (..., inp) -> (..., sum(sizes))
+        return torch.cat([part(x) for part in self.parts], -1)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the split hold one merged weight and bias: cut them into the parts.
+        for name in ("weight", "bias"):
+            merged = state_dict.pop(prefix + name, None)
+            if merged is not None:
+                for i, piece in enumerate(merged.split(self.sizes, 0)):
+                    state_dict[f"{prefix}parts.{i}.{name}"] = piece
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 class Head(nn.Module):
     """MLP followed by an output layer that parameterises a distribution.
 
@@ -217,7 +246,8 @@ class Actor(nn.Module):
         self.kind = config.dist
         self.mlp = MLP(inp, config.layers, units, act, norm)
         learned = self.kind == "normal" and config.std == "learned"
-        self.out = init_(nn.Linear(self.mlp.outdim, actions * (2 if learned else 1)), config.outscale)
+        # mean and std are separate layers (each clipped by its own norm), one layer otherwise
+        self.out = init_(SplitLinear(self.mlp.outdim, [actions] * (2 if learned else 1)), config.outscale)
         self.learned_std = learned
         self.std, self.min_std, self.max_std = config.std, config.min_std, config.max_std
         self.absmax = config.absmax or None  # 0: samples stay unbounded and the environment clips them
@@ -456,10 +486,10 @@ class MultiDecoder(nn.Module):
                 self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
                                                config.cnn_depth, config.kernel_size, config.minres, config.act,
                                                config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
-        if self.mlp_shapes:  # one MLP for all vector keys, its output split between them
+        if self.mlp_shapes:  # one MLP for all vector keys, then an output layer per key
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
-            self.mlp_out = init_(nn.Linear(self.mlp.outdim, sum(self.sizes)), config.outscale)
+            self.mlp_out = init_(SplitLinear(self.mlp.outdim, self.sizes), config.outscale)  # a layer per key
             self.vector_dist = VECTOR_DISTS[config.vector_dist]
 
     @property

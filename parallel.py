@@ -503,7 +503,7 @@ class Collector:
     """Steps a list of environments together under one batched policy and records every step.
 
     Each environment's steps go to its own replay stream; episodes are written to `directory`
-    (in chunks of `chunk_size` steps while they run: tools.EpisodeWriter) and their return and
+    (in chunks of `chunk_size` steps while they run: storage.EpisodeWriter) and their return and
     length reported to `on_episode` when they end. With a replay `context`
     (models.ReplayContext, replay_context > 0) each step also holds the latent the policy
     computed on it, filled in once the policy has seen the step (zeros until then: the last step
@@ -514,9 +514,9 @@ class Collector:
         self.envs, self.replay, self.directory, self.on_episode = env_list, replay, directory, on_episode
         # Per environment: its episode files, written in chunks of chunk_size steps as they fill.
         if directory is not None:
-            import tools
+            import storage
 
-            self.writers = [tools.EpisodeWriter(directory, chunk_size) for _ in env_list]
+            self.writers = [storage.EpisodeWriter(directory, chunk_size) for _ in env_list]
         else:
             self.writers = None
         self.action_repeat = action_repeat
@@ -660,17 +660,17 @@ def make_envs(config, mode, count, first=0, weights=None, processes=None):
 
 def wait_started(workers, mode, interactive=None):
     """Wait until every worker has built its environment, reporting the start-up as progress
-    (tools.Phase: started k/N with the rate and elapsed time, a line at least every 10 s), so that
+    (logs.Phase: started k/N with the rate and elapsed time, a line at least every 10 s), so that
     no minute passes in silence. The workers start together (Parallel does not wait), so the wait
     is about the slowest one's."""
     if not workers:
         return
     import sys
 
-    import tools
+    import logs
 
     interactive = sys.stdout.isatty() if interactive is None else interactive
-    with tools.Phase(f"{mode} environment workers", len(workers), "worker", interactive) as phase:
+    with logs.Phase(f"{mode} environment workers", len(workers), "worker", interactive) as phase:
         for done, env in enumerate(workers, 1):
             env.obs_space  # noqa: B018 - blocks until this worker reports its spaces
             phase.update(done)

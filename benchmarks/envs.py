@@ -35,7 +35,7 @@ import dreamer  # noqa: E402
 import envs  # noqa: E402
 import exploration  # noqa: E402
 import parallel  # noqa: E402
-import tools  # noqa: E402
+import storage  # noqa: E402
 
 TASKS = [("dmc_walker_walk", "dmc_vision"), ("dmc_cartpole_balance", "dmc_proprio")]
 # (label, envs, parallel, shared memory)
@@ -73,7 +73,7 @@ def measure(env_list, policy, config, steps, chunks=3):
     The steps are timed in `chunks` parts and the fastest part counts, as with timeit: other
     programs on a shared machine only ever slow a part down.
     """
-    replay = tools.Replay(config.dataset_size, len(env_list), config.seed)
+    replay = storage.Replay(config.dataset_size, len(env_list), config.seed)
     collector = parallel.Collector(env_list, replay, None, lambda episode: None)
     for _ in range(5):  # resets, first policy calls, worker caches
         collector.step(policy)

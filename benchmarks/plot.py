@@ -3,7 +3,7 @@
     python3 benchmarks/plot.py logdir/walker_s0 logdir/walker_s1 logdir/pong --output curves.png
     python3 benchmarks/plot.py logdir/walker_* --metric train/return --reference dmc_proprio --spread minmax
 
-Each RUN is a logdir with `metrics.jsonl` (written by tools.Logger; `step` counts environment frames),
+Each RUN is a logdir with `metrics.jsonl` (written by logs.Logger; `step` counts environment frames),
 or a logdir of the official code (danijar/dreamerv3) with `scores.jsonl`, whose training-episode scores
 (`episode/score`, at `step` frames) are read as train/return: plot it with --metric train/return.
 Its task names atari100k_<game> are read as atari_<game>.
@@ -379,7 +379,8 @@ def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
             low, high = ((agg["mean"] - agg["std"], agg["mean"] + agg["std"]) if spread == "std"
                          else (agg["min"], agg["max"]))
             spread_name = "mean ± std" if spread == "std" else "mean, min-max band"
-            label = f"this project{where}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
+            head = where.strip() if where.strip() in group["named"] else f"this project{where}"  # NAME=PATH: NAME
+            label = f"{head}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
             marker = "o" if len(agg["frames"]) < 20 else None
             ax.plot(agg["frames"], agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
             if n > 1:

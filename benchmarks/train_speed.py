@@ -37,6 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import models  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PHASES = ("world_model", "imagination", "actor", "critic")
@@ -45,7 +46,7 @@ PHASES = ("world_model", "imagination", "actor", "critic")
 def fill_replay(config, steps):
     """A replay of `steps` random-action steps from one real environment, as the loop would make."""
     env = envs.make_env(config, "train", 0)
-    replay = tools.Replay(steps, 1, config.seed)
+    replay = storage.Replay(steps, 1, config.seed)
     zero = np.zeros(env.act_space.shape, np.float32)
     # With replay_context, the latents a policy would have stored (zeros: the initial state).
     latents = {k: np.zeros(shape, dtype) for k, (shape, dtype) in models.ReplayContext(config).spec.items()}

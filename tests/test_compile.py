@@ -19,7 +19,7 @@ import dreamer
 import envs
 import exploration
 import networks
-import tools
+import storage
 
 DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
 # The reference update below decodes the image alone: the debug preset keeps every observation key.
@@ -30,7 +30,7 @@ IMAGE_ONLY = ("--encoder.mlp_keys", "$^", "--encoder.cnn_keys", "image", "--deco
 def make_agent_and_batch(compile_, *flags):
     config = dreamer.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *IMAGE_ONLY, *flags])
     env = envs.make_env(config, "train", 0)
-    replay = tools.Replay(1000, 1, seed=0)
+    replay = storage.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
     rng = np.random.default_rng(0)
     for _ in range(60):

@@ -24,6 +24,7 @@ import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
 
@@ -510,7 +511,7 @@ def test_opt_and_weight_decay_choose_coupled_or_decoupled_decay(spaces, opt):
 def write_episodes(directory, rewards, length=10):
     """One episode per reward value, written oldest first; every step carries the episode's reward."""
     for value in rewards:
-        tools.save_episode(directory, {"reward": np.full(length, value, np.float32),
+        storage.save_episode(directory, {"reward": np.full(length, value, np.float32),
                                        "is_first": np.arange(length) == 0,
                                        "x": np.full((length, 2), value, np.float32)})
 

@@ -12,6 +12,8 @@ import pytest
 
 import dreamer
 import envs
+import logs
+import storage
 import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,26 +83,26 @@ def test_total_updates_equal_a_hand_computation(preset, expected):
 def test_replay_memory_estimate_matches_a_filled_replay():
     config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
     env = envs.make_env(config, "train", 0)
-    spec = tools.episode_spec(env.obs_space, env.act_space)
-    replay = tools.Replay(config.dataset_size, 1)
+    spec = storage.episode_spec(env.obs_space, env.act_space)
+    replay = storage.Replay(config.dataset_size, 1)
     obs, rng = env.reset(), np.random.default_rng(0)
     for _ in range(config.dataset_size + 50):  # filled to capacity, and past it
         action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
-        replay.add(tools.strip_logs({**obs, "action": action, "reward": np.float32(0), "task": np.int32(0)}))
+        replay.add(storage.strip_logs({**obs, "action": action, "reward": np.float32(0), "task": np.int32(0)}))
         obs, _, done, _ = env.step(action)
         if done:
             obs = env.reset()
-    estimate = tools.step_bytes(spec) * config.dataset_size
+    estimate = storage.step_bytes(spec) * config.dataset_size
     assert replay.nbytes == pytest.approx(estimate, rel=0.1)
-    lines = tools.cost_lines(config, spec, free=10**12)
+    lines = storage.cost_lines(config, spec, free=10**12)
     assert len(lines) == 1 and lines[0].startswith("Cost: 48 updates to 600 frames; replay ")
-    assert f"({config.dataset_size:,} steps x {tools.step_bytes(spec):,} bytes)" in lines[0]
+    assert f"({config.dataset_size:,} steps x {storage.step_bytes(spec):,} bytes)" in lines[0]
 
 
 def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
     config = dreamer.parse(["--configs", "dmc_vision"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
-    lines = tools.cost_lines(config, spec, free=2 * 10**9)
+    lines = storage.cost_lines(config, spec, free=2 * 10**9)
     assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 12.3 GB of memory at capacity")
     assert lines[1].startswith("WARNING: the replay needs 12.3 GB at capacity and 2 GB of memory is free")
     assert "--dataset_size" in lines[1]
@@ -112,7 +114,7 @@ def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
 def test_status_of_many_environments_is_one_line():
     rows = [{"steps": 100 + i, "episodes": 1, "last_return": 0.0, "restarts": 2 if i == 5 else 0,
              "fps": 10.0 + i, "step_ms": 5.0 if i else float("nan")} for i in range(16)]
-    line = tools.env_status_line(rows)
+    line = logs.env_status_line(rows)
     assert "\n" not in line
     assert line == ("  envs 16 (min/median/max): steps 100/108/115 | episodes 16 | fps 10.0/17.5/25.0 | "
                     "step 5.0/5.0/5.0 ms | restarted: env 5 (2x)")

@@ -14,7 +14,7 @@ from ruamel.yaml import YAML
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import tools  # noqa: E402
+import logs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEBUG = ["--configs", "debug", "--task", "dmc_cartpole_balance"]
@@ -34,7 +34,7 @@ def csv_rows(logdir):
 
 
 def test_csv_rows_and_columns_equal_metrics_jsonl_as_metrics_appear_and_on_resume(tmp_path):
-    logger = tools.Logger(tmp_path, 0, ["jsonl", "csv"])
+    logger = logs.Logger(tmp_path, 0, ["jsonl", "csv"])
     logged = [(10, {"train/return": 1.5, "perf/fps": 3.0}), (20, {"train/return": 2.25}),
               (30, {"train/return": 0.1, "eval/return": 7.0}),  # a metric that appears later widens the header
               (40, {"perf/fps": 1e-7, "eval/return": -2.0})]
@@ -49,7 +49,7 @@ def test_csv_rows_and_columns_equal_metrics_jsonl_as_metrics_appear_and_on_resum
     assert rows == jsonl_rows(tmp_path) == [{"step": step, **values} for step, values in logged]
     assert not list(tmp_path.glob(".*.tmp"))
     # A resumed run drops what came after its checkpoint from both files, and goes on appending.
-    logger = tools.Logger(tmp_path, 20, ["jsonl", "csv"])
+    logger = logs.Logger(tmp_path, 20, ["jsonl", "csv"])
     logger.scalar("train/return", 5.0)
     logger.write(30)
     logger.close()
@@ -67,10 +67,10 @@ def test_csv_rows_and_columns_equal_metrics_jsonl_as_metrics_appear_and_on_resum
 ])
 def test_unknown_or_no_logger_is_refused_naming_the_valid_ones(tmp_path, names, message):
     with pytest.raises(ValueError) as error:
-        tools.check_loggers(names)
+        logs.check_loggers(names)
     assert message in str(error.value)
     with pytest.raises(ValueError):
-        tools.Logger(tmp_path / "run", 0, names)
+        logs.Logger(tmp_path / "run", 0, names)
     assert not (tmp_path / "run").exists()
 
 

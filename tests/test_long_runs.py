@@ -27,6 +27,7 @@ from stand_ins import CountingEnv, latent_policy  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = tools.load_presets()
@@ -58,7 +59,7 @@ def resumed_frame(logdir, traindir=None):
     """The frame a rerun resumes from: the checkpoint's, plus every step stored after it (x2: action_repeat)."""
     state, _, _ = tools.load_checkpoint_or_previous(logdir / "latest.pt")
     counters = state["counters"]
-    return 2 * (counters["policy_steps"] + tools.stored_steps(traindir or logdir / "train_eps")
+    return 2 * (counters["policy_steps"] + storage.stored_steps(traindir or logdir / "train_eps")
                 - counters["stored_steps"])
 
 
@@ -86,15 +87,15 @@ def context():
 
 
 def chunk_files(folder):
-    return sorted(p for p in pathlib.Path(folder).glob("*.npz") if tools.parse_episode_file(p)[1] is not None)
+    return sorted(p for p in pathlib.Path(folder).glob("*.npz") if storage.parse_episode_file(p)[1] is not None)
 
 
 def whole_files(folder):
-    return sorted(p for p in pathlib.Path(folder).glob("*.npz") if tools.parse_episode_file(p)[1] is None)
+    return sorted(p for p in pathlib.Path(folder).glob("*.npz") if storage.parse_episode_file(p)[1] is None)
 
 
 def test_chunks_fill_while_the_episode_runs_hold_final_latents_and_give_way_to_the_whole_episode(tmp_path):
-    replay = tools.Replay(1000, 1)
+    replay = storage.Replay(1000, 1)
     finished = []
     collector = parallel.Collector([CountingEnv(10)], replay, tmp_path, finished.append, context=context(),
                                   chunk_size=3)
@@ -110,16 +111,16 @@ def test_chunks_fill_while_the_episode_runs_hold_final_latents_and_give_way_to_t
     spec = {"x": ((), np.dtype(np.float32)), "is_first": ((), np.dtype(bool)), "is_last": ((), np.dtype(bool)),
             "is_terminal": ((), np.dtype(bool)), "action": ((1,), np.dtype(np.float32)),
             "reward": ((), np.dtype(np.float32)), "task": ((), np.dtype(np.int32)), **context().spec}
-    (partial,) = tools.load_episodes(tmp_path, spec=spec)
+    (partial,) = storage.load_episodes(tmp_path, spec=spec)
     np.testing.assert_array_equal(partial["x"], np.arange(6))
     np.testing.assert_array_equal(partial["latent_deter"][:, 0], np.arange(6) + 0.5)  # none left at zero
-    assert tools.stored_steps(tmp_path) == 5  # the first step has no action: as in a whole episode
+    assert storage.stored_steps(tmp_path) == 5  # the first step has no action: as in a whole episode
     for _ in range(3):
         collector.step(latent_policy)  # x = 10 ends it
     assert len(finished) == 1 and chunk_files(tmp_path) == []
     (whole,) = whole_files(tmp_path)
-    assert whole.name.endswith("-11.npz") and tools.stored_steps(tmp_path) == 10
-    (loaded,) = tools.load_episodes(tmp_path, spec=spec)
+    assert whole.name.endswith("-11.npz") and storage.stored_steps(tmp_path) == 10
+    (loaded,) = storage.load_episodes(tmp_path, spec=spec)
     for key, value in finished[0].items():
         np.testing.assert_array_equal(loaded[key], value)
     # The replay the run trains on held the same steps all along (nothing added twice).
@@ -142,7 +143,7 @@ def episode(start, length, first=True):
 
 def write_chunks(folder, length, size):
     """The chunks an EpisodeWriter leaves of an episode of `length` steps so far."""
-    writer = tools.EpisodeWriter(folder, size)
+    writer = storage.EpisodeWriter(folder, size)
     steps = [{k: v[i] for k, v in episode(0, length).items()} for i in range(length)]
     for t in range(1, length + 1):
         writer.add(steps[:t])
@@ -156,8 +157,8 @@ def test_a_kill_between_the_whole_episode_and_removing_its_chunks_counts_each_st
     writer.finish({k: np.stack([s[k] for s in steps]) for k in steps[0]})
     for path, data in kept.items():  # as if killed after the whole file was written, before the unlinks
         path.write_bytes(data)
-    assert tools.stored_steps(tmp_path) == 9
-    (loaded,) = tools.load_episodes(tmp_path)
+    assert storage.stored_steps(tmp_path) == 9
+    (loaded,) = storage.load_episodes(tmp_path)
     np.testing.assert_array_equal(loaded["x"], np.arange(10))
 
 
@@ -165,14 +166,14 @@ def test_old_episode_files_load_beside_chunks_and_a_missing_chunk_ends_the_parti
     old = tmp_path / "20200101T000000000000-0123abcd-5.npz"  # the name every earlier version wrote
     np.savez_compressed(old, **episode(100, 5))
     write_chunks(tmp_path, 13, 4)  # chunks 0, 1, 2 (12 steps)
-    assert tools.stored_steps(tmp_path) == 4 + 3 + 4 + 4
-    loaded = tools.load_episodes(tmp_path)
+    assert storage.stored_steps(tmp_path) == 4 + 3 + 4 + 4
+    loaded = storage.load_episodes(tmp_path)
     assert [len(e["x"]) for e in loaded] == [5, 12]  # oldest first
     chunk_files(tmp_path)[1].unlink()  # a chunk lost: steps 8.. no longer follow step 3
-    loaded = tools.load_episodes(tmp_path)
+    loaded = storage.load_episodes(tmp_path)
     np.testing.assert_array_equal(loaded[1]["x"], np.arange(4))
-    assert tools.load_episodes(tmp_path, limit=3) == []  # the newest episode alone is over the limit
-    (newest,) = tools.load_episodes(tmp_path, limit=8)
+    assert storage.load_episodes(tmp_path, limit=3) == []  # the newest episode alone is over the limit
+    (newest,) = storage.load_episodes(tmp_path, limit=8)
     np.testing.assert_array_equal(newest["x"], np.arange(4))
     assert capsys.readouterr().err == ""
 
@@ -252,7 +253,7 @@ def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behi
     assert str(error.value) == f"cannot write {path}: No space left on device (errno 28)"
     assert error.value.hint == "free space and rerun to resume"
     with pytest.raises(tools.WriteError, match=r"episodes/.*-5\.npz: No space left"):
-        tools.save_episode(tmp_path / "episodes", episode(0, 5))
+        storage.save_episode(tmp_path / "episodes", episode(0, 5))
     monkeypatch.undo()
     assert tools.load_checkpoint(path)["step"] == 1 and not tools.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
@@ -313,15 +314,15 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import tools
 
-add = tools.EpisodeWriter.add
+add = storage.EpisodeWriter.add
 
 def add_then_die(self, steps):
     path = add(self, steps)
-    if len(steps) == 351 and any(tools.parse_episode_file(p)[1] is None for p in self.directory.glob("*.npz")):
+    if len(steps) == 351 and any(storage.parse_episode_file(p)[1] is None for p in self.directory.glob("*.npz")):
         os.kill(os.getpid(), signal.SIGKILL)
     return path
 
-tools.EpisodeWriter.add = add_then_die
+storage.EpisodeWriter.add = add_then_die
 import dreamer
 dreamer.main()
 """
@@ -343,7 +344,7 @@ def test_kill_9_mid_episode_keeps_every_full_chunk_and_the_rerun_replays_each_st
     assert whole.name.endswith("-501.npz")  # the first episode, its chunks removed
     assert [p.name.split("-", 2)[2] for p in chunks] == ["c00000000-100.npz", "c00000001-100.npz",
                                                          "c00000002-100.npz"]
-    assert tools.stored_steps(traindir) == 500 + 299
+    assert storage.stored_steps(traindir) == 500 + 299
     for path in chunks:
         with np.load(path) as chunk:
             assert len(chunk["reward"]) == 100 and not chunk["is_last"].any()
@@ -397,8 +398,8 @@ def test_sigterm_to_a_torchrun_group_saves_once_ends_every_rank_and_resumes(tmp_
     assert state["world_size"] == 2 and state["counters"]["policy_steps"] > 0
     frame = 2 * state["counters"]["policy_steps"]
     # Each rank's stored steps at the save are those on disk: nothing was written after it.
-    assert tools.stored_steps(logdir / "train_eps") == state["counters"]["stored_steps"]
-    assert tools.stored_steps(logdir / "train_eps" / "rank1") == state["ranks"][0]["stored_steps"]
+    assert storage.stored_steps(logdir / "train_eps") == state["counters"]["stored_steps"]
+    assert storage.stored_steps(logdir / "train_eps" / "rank1") == state["ranks"][0]["stored_steps"]
     result = subprocess.run(torchrun_command(*flags, "--steps", frame + 40), capture_output=True, text=True,
                             env=environment(), cwd=ROOT, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]

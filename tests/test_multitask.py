@@ -14,7 +14,7 @@ import pytest
 import dreamer
 import envs
 import parallel
-import tools
+import storage
 from envs import wrappers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -191,15 +191,15 @@ def test_evaluation_runs_its_count_of_each_task_however_long_their_episodes():
 
 
 def test_old_single_task_episodes_still_load_as_task_zero(tmp_path):
-    spec = tools.episode_spec({"vector": box(3), **FLAGS}, box(2))
+    spec = storage.episode_spec({"vector": box(3), **FLAGS}, box(2))
     assert spec["task"] == ((), np.dtype(np.int32))
     old = {"vector": np.zeros((5, 3), np.float32), "action": np.zeros((5, 2), np.float32),
            "reward": np.zeros(5, np.float32), **{k: np.zeros(5, bool) for k in FLAGS}}
-    assert tools.episode_problem(old, spec) is None
-    tools.save_episode(tmp_path, old)
-    tools.save_episode(tmp_path, {**old, "task": np.full(5, 2.0, np.float32)})  # a wrong dtype is still caught
+    assert storage.episode_problem(old, spec) is None
+    storage.save_episode(tmp_path, old)
+    storage.save_episode(tmp_path, {**old, "task": np.full(5, 2.0, np.float32)})  # a wrong dtype is still caught
     skipped = []
-    loaded = tools.load_episodes(tmp_path, spec=spec, on_skip=lambda f, problem: skipped.append(problem))
+    loaded = storage.load_episodes(tmp_path, spec=spec, on_skip=lambda f, problem: skipped.append(problem))
     assert len(loaded) == 1 and skipped == ["'task' has dtype float32, expected int32"]
     np.testing.assert_array_equal(loaded[0]["task"], np.zeros(5, np.int32))
 

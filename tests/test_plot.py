@@ -19,7 +19,7 @@ _spec.loader.exec_module(plot)
 
 
 def fake_run(folder, task=None, seed=0, frames=100_000, every=10_000, metrics=("eval/return", "train/return")):
-    """A logdir as tools.Logger writes it: one JSON line per log step; config.yaml when task is given."""
+    """A logdir as logs.Logger writes it: one JSON line per log step; config.yaml when task is given."""
     folder.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     with (folder / "metrics.jsonl").open("w") as f:

@@ -15,6 +15,7 @@ import dreamer  # noqa: E402
 import envs  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def test_bad_precision_names_the_value_and_the_choices(value):
 def make_agent_and_batch(*flags):
     c = config("--device", "cpu", *flags)
     env = envs.make_env(c, "train", 0)
-    replay = tools.Replay(1000, 1, seed=0)
+    replay = storage.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
     rng = np.random.default_rng(0)
     for _ in range(40):

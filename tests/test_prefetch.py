@@ -1,4 +1,4 @@
-"""tools.Prefetcher: batches sampled ahead are the batches plain sampling gives, write-back included;
+"""storage.Prefetcher: batches sampled ahead are the batches plain sampling gives, write-back included;
 on CUDA they are sampled into pinned memory and copied without waiting (stand-ins here)."""
 
 import pathlib
@@ -12,6 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import models  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 K, T, B = 1, 6, 8  # replay context steps, trained steps, batch size
@@ -19,7 +20,7 @@ K, T, B = 1, 6, 8  # replay context steps, trained steps, batch size
 
 def make_replay(seed=3):
     """Two streams of 20 steps: consecutive batches of 8 x 7 steps share many steps."""
-    replay = tools.Replay(100, 2, seed=seed)
+    replay = storage.Replay(100, 2, seed=seed)
     rng = np.random.default_rng(0)
     for t in range(20):
         for stream in range(2):
@@ -84,7 +85,7 @@ def assert_same_replays(a, b):
 def test_prefetched_batches_and_write_back_equal_plain_sampling():
     plain_replay, ahead_replay = make_replay(), make_replay()
     plain = plain_run(plain_replay, 12)
-    ahead = prefetched_run(tools.Prefetcher(ahead_replay, B, K + T, "cpu", ahead=True), 12)
+    ahead = prefetched_run(storage.Prefetcher(ahead_replay, B, K + T, "cpu", ahead=True), 12)
     assert_same_runs(plain, ahead)
     assert_same_replays(plain_replay, ahead_replay)  # every write-back went to the steps it was computed for
 
@@ -92,7 +93,7 @@ def test_prefetched_batches_and_write_back_equal_plain_sampling():
 def test_without_the_overlay_a_batch_sampled_ahead_would_miss_the_write_back():
     """The test above can fail: sampled ahead without patching, later batches hold stale latents."""
 
-    class Stale(tools.Prefetcher):
+    class Stale(storage.Prefetcher):
         def update(self, ids, values):
             if self.pending is not None:
                 self.pending[0].join()
@@ -106,7 +107,7 @@ def test_without_the_overlay_a_batch_sampled_ahead_would_miss_the_write_back():
 
 def test_write_back_reaches_the_ids_of_its_own_batch():
     replay = make_replay()
-    feed = tools.Prefetcher(replay, B, K + T, "cpu", ahead=True)
+    feed = storage.Prefetcher(replay, B, K + T, "cpu", ahead=True)
     ctx = context()
     first, first_ids, _ = feed.next(more=True)  # the second batch is sampled meanwhile
     fake_update(first, 0)
@@ -123,12 +124,12 @@ def test_overlay_by_hand():
     ids = np.array([[0, 10], [1, 3]])  # rows: stream 0 steps 10..13, stream 1 steps 3..6
     written = np.array([[0, 12], [1, 0], [0, 8]])  # stream 0 steps 12..14, stream 1 0..2, stream 0 8..10
     values = {"v": np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.float32)}
-    tools.overlay(batch, ids, 4, written, values)
+    storage.overlay(batch, ids, 4, written, values)
     np.testing.assert_array_equal(batch["v"], [[9, 0, 1, 2], [0, 0, 0, 0]])
 
 
 def test_an_error_while_sampling_ahead_reaches_the_learner():
-    feed = tools.Prefetcher(make_replay(), B, K + T, "cpu", ahead=True)
+    feed = storage.Prefetcher(make_replay(), B, K + T, "cpu", ahead=True)
     feed.next(more=True)
     feed.length = 1000  # the batch sampled next cannot exist; it was already sampled, the one after fails
     feed.next(more=True)
@@ -152,18 +153,18 @@ def test_on_cuda_batches_go_to_pinned_memory_and_are_copied_without_waiting(monk
     monkeypatch.setattr(torch, "empty", recording_empty)
     monkeypatch.setattr(torch.Tensor, "to", recording_to)
     plain = make_replay().sample(B, K + T)
-    cpu = tools.Prefetcher(make_replay(), B, K + T, "cpu")
+    cpu = storage.Prefetcher(make_replay(), B, K + T, "cpu")
     assert cpu.ahead is False
     batch, _, data = cpu.next()
     assert data is None and not pinned and not copies  # nothing pinned, nothing copied on a CPU
-    cuda = tools.Prefetcher(make_replay(), B, K + T, "cuda:0")
+    cuda = storage.Prefetcher(make_replay(), B, K + T, "cuda:0")
     assert cuda.ahead is True
     batch, _, data = cuda.next()
     assert pinned == [True] * len(batch)
     assert {(device, non_blocking) for device, non_blocking, _ in copies} == {("cuda:0", True)}
     # Each copy starts from the pinned tensor the batch was sampled into.
     assert sorted(ptr for _, _, ptr in copies) == sorted(v.ctypes.data for v in batch.values())
-    assert all(tools.host_tensor(v).data_ptr() == v.ctypes.data for v in batch.values())
+    assert all(storage.host_tensor(v).data_ptr() == v.ctypes.data for v in batch.values())
     for key in plain:
         np.testing.assert_array_equal(batch[key], plain[key])
         np.testing.assert_array_equal(data[key].numpy(), plain[key])
@@ -175,8 +176,8 @@ def test_a_run_trains_the_same_with_batches_sampled_ahead(tmp_path, monkeypatch)
     common = ["--configs", "debug", "recipe2024", "--eval_episode_num", "0", "--time_limit", "20", "--envs", "2",
               "--batch_size", "3", "--batch_length", "6", "--train_ratio", "64", "--steps", "60"]
     dreamer.main([*common, "--logdir", str(tmp_path / "plain")])
-    init = tools.Prefetcher.__init__
-    monkeypatch.setattr(tools.Prefetcher, "__init__", lambda self, *args, **kwargs: init(self, *args, ahead=True))
+    init = storage.Prefetcher.__init__
+    monkeypatch.setattr(storage.Prefetcher, "__init__", lambda self, *args, **kwargs: init(self, *args, ahead=True))
     dreamer.main([*common, "--logdir", str(tmp_path / "ahead")])
     plain, ahead = (tools.load_checkpoint(tmp_path / name / "latest.pt") for name in ("plain", "ahead"))
     assert plain["counters"]["updates"] == ahead["counters"]["updates"] > 10

@@ -23,6 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -153,16 +154,16 @@ def fitting_episode(length=5):
     (lambda e: e.update(reward=e["reward"][:3]), "keys of different or zero lengths [3, 5]"),
 ])
 def test_episodes_that_do_not_fit_the_spaces_are_skipped_with_one_line(tmp_path, capsys, change, problem):
-    tools.save_episode(tmp_path, fitting_episode())
+    storage.save_episode(tmp_path, fitting_episode())
     time.sleep(0.01)  # names sort by time
     bad = fitting_episode()
     change(bad)
-    tools.save_episode(tmp_path, bad)
+    storage.save_episode(tmp_path, bad)
     skipped = []
-    loaded = tools.load_episodes(tmp_path, spec=tools.episode_spec(*SPACES),
+    loaded = storage.load_episodes(tmp_path, spec=storage.episode_spec(*SPACES),
                                  on_skip=lambda f, p: skipped.append(p))
     assert len(loaded) == 1 and skipped == [problem]
-    tools.load_episodes(tmp_path, spec=tools.episode_spec(*SPACES))
+    storage.load_episodes(tmp_path, spec=storage.episode_spec(*SPACES))
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: skipping episode") and problem in lines[0]
 
@@ -171,7 +172,7 @@ def test_start_up_summary_counts_skipped_episodes(run_copy, capsys):
     good = sorted((run_copy / "train_eps").glob("*.npz"))[0]
     with np.load(good) as data:
         episode = {k: data[k] for k in data.keys() if k != "velocity"}
-    tools.save_episode(run_copy / "train_eps", episode)
+    storage.save_episode(run_copy / "train_eps", episode)
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "40")
     assert code == 0
     assert "Episodes: 20 replay steps loaded, 1 files skipped" in out

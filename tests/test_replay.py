@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def save_in_order(directory, lengths):
     saved, start = [], 0
     for length in lengths:
         saved.append(episode(length, start))
-        tools.save_episode(directory, saved[-1])
+        storage.save_episode(directory, saved[-1])
         start += length
         time.sleep(0.002)  # distinct time stamps in the names
     return saved
@@ -47,7 +48,7 @@ def assert_same_episode(a, b):
 
 def test_save_episode_writes_one_complete_file_and_no_temporaries(tmp_path):
     ep = episode(7)
-    filename = tools.save_episode(tmp_path / "eps", ep)
+    filename = storage.save_episode(tmp_path / "eps", ep)
     files = sorted(p.name for p in (tmp_path / "eps").iterdir())
     assert files == [filename.name]
     assert filename.suffix == ".npz" and filename.stem.endswith("-7")
@@ -64,16 +65,16 @@ def test_save_episode_failing_write_leaves_no_visible_episode(tmp_path, monkeypa
 
     monkeypatch.setattr(tools.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        tools.save_episode(directory, episode(5, start=100))
+        storage.save_episode(directory, episode(5, start=100))
     monkeypatch.undo()
     assert len(list(directory.glob("*.npz"))) == 1
-    loaded = tools.load_episodes(directory)
+    loaded = storage.load_episodes(directory)
     assert [len(e["reward"]) for e in loaded] == [3]
 
 
 def test_load_episodes_all_oldest_first(tmp_path):
     saved = save_in_order(tmp_path, [3, 4, 5, 6])
-    loaded = tools.load_episodes(tmp_path)
+    loaded = storage.load_episodes(tmp_path)
     assert len(loaded) == 4
     for a, b in zip(loaded, saved):
         assert_same_episode(a, b)
@@ -83,7 +84,7 @@ def test_load_episodes_all_oldest_first(tmp_path):
                                             (18, [3, 4, 5, 6]), (100, [3, 4, 5, 6]), (5, [])])
 def test_load_episodes_respects_step_limit_newest_first(tmp_path, limit, lengths):
     save_in_order(tmp_path, [3, 4, 5, 6])
-    loaded = tools.load_episodes(tmp_path, limit=limit)
+    loaded = storage.load_episodes(tmp_path, limit=limit)
     assert [len(e["reward"]) for e in loaded] == lengths
     assert sum(len(e["reward"]) for e in loaded) <= limit
     # Oldest first: rewards count up across the returned episodes.
@@ -92,17 +93,17 @@ def test_load_episodes_respects_step_limit_newest_first(tmp_path, limit, lengths
 
 
 def test_load_episodes_missing_directory(tmp_path):
-    assert tools.load_episodes(tmp_path / "absent") == []
+    assert storage.load_episodes(tmp_path / "absent") == []
 
 
 def test_load_episodes_skips_corrupt_files_with_a_warning(tmp_path, capsys):
     save_in_order(tmp_path, [3, 4])
     # Newest by name: garbage bytes, and a real episode file cut in half.
     (tmp_path / "99990101T000000000000-deadbeef-5.npz").write_bytes(b"not an npz file at all")
-    good = tools.save_episode(tmp_path / "tmp", episode(8))
+    good = storage.save_episode(tmp_path / "tmp", episode(8))
     raw = good.read_bytes()
     (tmp_path / "99990101T000000000001-cafecafe-8.npz").write_bytes(raw[:len(raw) // 2])
-    loaded = tools.load_episodes(tmp_path)
+    loaded = storage.load_episodes(tmp_path)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("warning: skipping episode") for line in lines), lines
     assert all("unreadable" in line for line in lines)
@@ -126,7 +127,7 @@ def fill(replay, stream, count, offset=0):
 
 
 def test_replay_sample_shapes_and_dtypes():
-    replay = tools.Replay(capacity=100, streams=2, seed=0)
+    replay = storage.Replay(capacity=100, streams=2, seed=0)
     fill(replay, 0, 20)
     fill(replay, 1, 15)
     out = replay.sample(batch=6, length=5)
@@ -138,7 +139,7 @@ def test_replay_sample_shapes_and_dtypes():
 
 
 def test_replay_sequences_are_consecutive_steps_of_one_stream():
-    replay = tools.Replay(capacity=300, streams=3, seed=1)
+    replay = storage.Replay(capacity=300, streams=3, seed=1)
     for stream, count in enumerate([40, 25, 60]):
         fill(replay, stream, count)
     out = replay.sample(batch=200, length=8)
@@ -154,7 +155,7 @@ def test_replay_sequences_are_consecutive_steps_of_one_stream():
 
 
 def test_replay_samples_every_valid_start_uniformly():
-    replay = tools.Replay(capacity=100, streams=2, seed=2)
+    replay = storage.Replay(capacity=100, streams=2, seed=2)
     fill(replay, 0, 5)
     fill(replay, 1, 10)
     out = replay.sample(batch=5000, length=3)
@@ -166,7 +167,7 @@ def test_replay_samples_every_valid_start_uniformly():
 
 
 def test_replay_ring_overwrite_drops_oldest():
-    replay = tools.Replay(capacity=10, streams=1, seed=3)
+    replay = storage.Replay(capacity=10, streams=1, seed=3)
     fill(replay, 0, 25)
     assert len(replay) == 10
     out = replay.sample(batch=4, length=10)
@@ -179,7 +180,7 @@ def test_replay_ring_overwrite_drops_oldest():
 
 @pytest.mark.parametrize("capacity, count", [(3000, 2500), (1500, 2000), (2048, 2049)])
 def test_replay_growth_keeps_every_step(capacity, count):
-    replay = tools.Replay(capacity=capacity, streams=1, seed=4)
+    replay = storage.Replay(capacity=capacity, streams=1, seed=4)
     fill(replay, 0, count)
     held = min(capacity, count)
     assert len(replay) == held
@@ -188,7 +189,7 @@ def test_replay_growth_keeps_every_step(capacity, count):
 
 
 def test_replay_capacity_is_split_across_streams():
-    replay = tools.Replay(capacity=10, streams=3, seed=5)
+    replay = storage.Replay(capacity=10, streams=3, seed=5)
     for stream in range(3):
         fill(replay, stream, 10)
     per_stream = int(np.ceil(10 / 3))  # 4
@@ -200,7 +201,7 @@ def test_replay_capacity_is_split_across_streams():
 
 
 def test_replay_ready_and_empty():
-    replay = tools.Replay(capacity=100, streams=2, seed=6)
+    replay = storage.Replay(capacity=100, streams=2, seed=6)
     assert not replay.ready(4) and len(replay) == 0
     with pytest.raises(RuntimeError, match="no sequence"):
         replay.sample(batch=2, length=4)
@@ -215,7 +216,7 @@ def test_replay_ready_and_empty():
 
 
 def test_replay_add_episode_keeps_order():
-    replay = tools.Replay(capacity=50, streams=2, seed=7)
+    replay = storage.Replay(capacity=50, streams=2, seed=7)
     ep = episode(12, start=40)
     replay.add_episode(ep, stream=1)
     assert len(replay) == 12 and len(replay.streams[0]) == 0

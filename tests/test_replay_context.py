@@ -19,6 +19,7 @@ from stand_ins import CountingEnv, latent_policy  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = tools.load_presets()
@@ -57,7 +58,7 @@ def held(replay, stream):
 
 
 def test_add_and_sample_give_each_step_its_id_also_after_the_ring_wraps():
-    replay = tools.Replay(capacity=12, streams=2, seed=0)  # 6 steps per stream
+    replay = storage.Replay(capacity=12, streams=2, seed=0)  # 6 steps per stream
     assert replay.add({"n": np.int64(0)}, 1) == (1, 0)
     for n in range(1, 10):
         assert replay.add({"n": np.int64(100 + n)}, 1) == (1, n)
@@ -68,7 +69,7 @@ def test_add_and_sample_give_each_step_its_id_also_after_the_ring_wraps():
 
 
 def test_update_writes_each_row_to_its_steps_and_skips_steps_dropped_meanwhile():
-    replay = tools.Replay(capacity=12, streams=2, seed=1)
+    replay = storage.Replay(capacity=12, streams=2, seed=1)
     fill(replay, 8, 2)
     ids = np.array([[0, 3], [1, 2], [0, 5]])
     values = {"latent_deter": np.arange(3 * 3 * 3, dtype=np.float32).reshape(3, 3, 3)}
@@ -168,7 +169,7 @@ def test_plan2explore_trains_on_the_sequence_after_the_context():
 
 def test_write_back_puts_the_trained_steps_latents_at_their_steps():
     context = context_of(1)
-    replay = tools.Replay(capacity=40, streams=2, seed=2)
+    replay = storage.Replay(capacity=40, streams=2, seed=2)
     fill(replay, 12, 2)
     batch, ids = replay.sample(5, 4, ids=True)  # K + T = 1 + 3
     posterior = {"deter": torch.as_tensor(1000.0 + batch["n"][:, 1:, None].repeat(3, -1)),  # (B, T, 3)
@@ -206,7 +207,7 @@ def test_replay_context_zero_changes_nothing():
 
 def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
     envs = [CountingEnv(4), CountingEnv(3)]
-    replay = tools.Replay(100, 2)
+    replay = storage.Replay(100, 2)
     finished = []
     collector = parallel.Collector(envs, replay, tmp_path, finished.append, context=context_of(1))
     for _ in range(5):
@@ -231,17 +232,17 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
             "is_terminal": ((), np.dtype(bool)), "action": ((1,), np.dtype(np.float32)),
             "reward": ((), np.dtype(np.float32)), "task": ((), np.dtype(np.int32))}
     full = {**spec, **context_of(1).spec}
-    loaded = tools.load_episodes(tmp_path, spec=full)
+    loaded = storage.load_episodes(tmp_path, spec=full)
     assert len(loaded) == 2
     for key in ("latent_deter", "latent_stoch"):
         np.testing.assert_array_equal(sorted(e[key].sum() for e in loaded), sorted(e[key].sum() for e in finished))
-    assert all("latent_deter" not in e for e in tools.load_episodes(tmp_path, spec=spec))
+    assert all("latent_deter" not in e for e in storage.load_episodes(tmp_path, spec=spec))
     bigger = {**spec, **context_of(1, deter=5).spec}  # another model size: its latents do not fit
     assert all((e["latent_deter"] == 0).all() and e["latent_deter"].shape[1:] == (5,)
-               for e in tools.load_episodes(tmp_path, spec=bigger))
+               for e in storage.load_episodes(tmp_path, spec=bigger))
     old = tmp_path / "old"
-    tools.save_episode(old, {k: v for k, v in finished[0].items() if not k.startswith("latent_")})
-    (episode,) = tools.load_episodes(old, spec=full)
+    storage.save_episode(old, {k: v for k, v in finished[0].items() if not k.startswith("latent_")})
+    (episode,) = storage.load_episodes(old, spec=full)
     assert episode["latent_stoch"].shape == (len(finished[0]["x"]), 2, 2) and not episode["latent_stoch"].any()
 
 
@@ -250,7 +251,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
 
 def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatch):
     samples, updates, batches = [], [], []
-    sample, update, train_step = tools.Replay.sample, tools.Replay.update, dreamer.Dreamer.train_step
+    sample, update, train_step = storage.Replay.sample, storage.Replay.update, dreamer.Dreamer.train_step
 
     def recording_sample(self, batch, length, ids=False, **kwargs):
         out = sample(self, batch, length, ids, **kwargs)
@@ -268,8 +269,8 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
         batches.append({k: np.array(batch[k]) for k in ("latent_deter", "latent_stoch")})
         return metrics
 
-    monkeypatch.setattr(tools.Replay, "sample", recording_sample)
-    monkeypatch.setattr(tools.Replay, "update", recording_update)
+    monkeypatch.setattr(storage.Replay, "sample", recording_sample)
+    monkeypatch.setattr(storage.Replay, "update", recording_update)
     monkeypatch.setattr(dreamer.Dreamer, "train_step", recording_train_step)
     logdir = tmp_path / "run"
     common = ["--configs", "debug", "recipe2024", "--eval_episode_num", "0", "--time_limit", "20",

@@ -13,7 +13,7 @@ import torch
 
 import dreamer
 import models
-import tools
+import storage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,7 +23,7 @@ DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
 def filled(device, steps=300, streams=2, capacity=250):
     """A replay over `streams` streams, one step of each per iteration, with image, vector, flag
     and latent keys; capacity below what is added, so that the ring buffers wrap."""
-    replay = tools.Replay(capacity, streams, seed=3, device=device)
+    replay = storage.Replay(capacity, streams, seed=3, device=device)
     rng = np.random.default_rng(0)
     for t in range(steps):
         for stream in range(streams):
@@ -75,10 +75,10 @@ def test_the_replay_context_stores_and_writes_back_tensors_on_the_device():
     config = dreamer.parse(["--configs", "debug", "recipe2024", "--dyn_deter", "5", "--dyn_blocks", "1",
                             "--dyn_discrete", "0", "--dyn_stoch", "3"])
     context = models.ReplayContext(config)
-    replay = tools.Replay(100, 1, seed=0, device=DEVICE)
+    replay = storage.Replay(100, 1, seed=0, device=DEVICE)
     for t in range(40):
         replay.add({"reward": np.float32(t), **{k: v[0] for k, v in context.entries(None, 1).items()}})
-    feed = tools.Prefetcher(replay, 2, 6, DEVICE)
+    feed = storage.Prefetcher(replay, 2, 6, DEVICE)
     batch, ids, data = feed.next()
     assert data is batch  # gathered on the device: nothing to copy
     post = {"deter": torch.ones(2, 5, 5), "stoch": torch.full((2, 5, 3), 2.0)}
@@ -104,6 +104,6 @@ def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path):
 def test_the_cost_line_counts_the_replay_against_the_devices_memory():
     config = dreamer.parse(["--configs", "debug", "--replay_device", "True", "--dataset_size", "1000"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8))}
-    lines = tools.cost_lines(config, spec, free=10)
+    lines = storage.cost_lines(config, spec, free=10)
     assert "of CPU memory at capacity" in lines[0]
     assert "WARNING" in lines[1] and "--replay_device False" in lines[1]

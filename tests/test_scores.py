@@ -30,7 +30,7 @@ def run_cli(script, *args):
 
 
 def our_run(folder, task, rows):
-    """A logdir as tools.Logger writes it: rows of (step, {metric: value})."""
+    """A logdir as logs.Logger writes it: rows of (step, {metric: value})."""
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(f"task: {task}\nencoder:\n  cnn_keys: image\n")
     with (folder / "metrics.jsonl").open("w") as f:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import logs
 import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -214,7 +215,7 @@ def test_start_up_phases_print_progress_lines_in_a_log_file(run):
 def test_phase_lines_give_rate_and_eta(capsys, monkeypatch):
     clock = iter([100.0, 102.0, 104.0, 108.0, 110.0])
     monkeypatch.setattr(tools.time, "time", lambda: next(clock))
-    phase = tools.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
+    phase = logs.Phase("pretrain", 100, "update", interactive=False, every=5.0)  # starts at t=100
     phase.update(10)  # t=102: the first step gives the rate at once: 10 in 2 s, 90 to go at 5/s
     phase.update(20)  # t=104: 2 s since the last line, no line
     phase.update(30)  # t=108: 6 s since the last line: 30 in 8 s, 70 to go at 3.75/s
@@ -230,7 +231,7 @@ def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
     """A step longer than `every` (a compiling first update, a full-size update on a loaded CPU)
     still gets lines: the heartbeat prints the state every `every` seconds."""
 
-    phase = tools.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
+    phase = logs.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
     time.sleep(0.7)  # one long step
     phase.update(1)
     phase.close()

@@ -27,6 +27,7 @@ import torch
 import dreamer
 import envs
 import models
+import storage
 import tools
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +132,7 @@ UPDATES = 3
 def batches(env, config, count):
     """`count` replayed batches (B, K + T, ...) of one random episode stream, with zero latents for
     the replay context."""
-    replay = tools.Replay(1000, 1, seed=0)
+    replay = storage.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
     rng = np.random.default_rng(0)
     context = models.ReplayContext(config)

@@ -1,0 +1,301 @@
+"""Side-by-side learning runs: this project and the official DreamerV3 on the same settings.
+
+    python3 benchmarks/learning.py --tasks dmc_cheetah_run,dmc_walker_walk,dmc_reacher_easy --seeds 0,1,2 \\
+        --official ~/dreamerv3 --official-python ~/dreamerv3/venv/bin/python --out ./logdir/learning \\
+        --parallel 2 -- --configs dmc_proprio recipe2024 size1m --steps 2e4 --train_ratio 256 \\
+        --batch_size 16 --batch_length 32 --envs 1 --prefill 1024 --pretrain 0 --eval_episode_num 0 --device cpu
+
+Runs tasks x seeds x codes (`--codes project,official`), each one process at `--threads` threads (1 by
+default), `--parallel` at once. Both codes get the same flags: everything after `--` plus `--task`,
+`--seed` and `--logdir OUT/TASK/CODE_sSEED`; `dreamer.py` takes them as they are, and
+`benchmarks/official.py` translates them to the official code's flags (see its docstring: it needs
+`--prefill` of one batch and `--pretrain 0`, since the official code has no random prefill).
+
+Resumable: a run that finished (exit status 0; `OUT/TASK/CODE_sSEED/runner.json` records it) is not
+started again; an unfinished one is rerun with the same command, and both codes resume from their
+checkpoints. A run still going after `--hours` (3 by default) is stopped and marked as timed out;
+rerunning the runner continues it. `--report` only writes the report of what is there.
+
+The report (also written after the runs): `OUT/learning.md`, one table per task (train return per
+`--bin` frames, mean and min-max over seeds, per code, and the paper's curve from
+benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2,
+so it matches only runs at that setting), and `OUT/learning.png` (plot.py's figure: mean and min-max
+band per code). The verdict per task, by this rule: take each seed's mean training return over the
+last quarter of the frames; the task MATCHES when this project's mean over seeds lies within the
+range (min to max) of the official seeds; it is BELOW or ABOVE otherwise; and it is NO LEARNING
+TO COMPARE when the official code's last-quarter mean is not above its first-quarter mean for most
+seeds (at such a budget neither code shows learning, so agreement says nothing).
+
+`--dry-run` prints every command and starts nothing; `--device cuda` after `--` runs both codes on a
+GPU (the official one needs its CUDA wheels in `--official-python`). Bad input: one line, exit 2.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import plot  # noqa: E402
+
+CODES = ("project", "official")
+
+
+class RunnerError(ValueError):
+    """A user mistake: one line, exit status 2."""
+
+
+# ==================================================================================================
+# Runs
+# ==================================================================================================
+
+
+def run_dir(out, task, code, seed):
+    return pathlib.Path(out) / task / f"{code}_s{seed}"
+
+
+def command(code, task, seed, flags, logdir, args):
+    """(argv, environment) of one run."""
+    own = [*flags, "--task", task, "--seed", str(seed), "--logdir", str(logdir)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    env.setdefault("MUJOCO_GL", "egl")
+    if code == "project":
+        return [sys.executable, str(ROOT / "dreamer.py"), *own], env
+    if code == "official":
+        return [sys.executable, str(HERE / "official.py"), "--official", str(args.official), "--python",
+                args.official_python, "--threads", str(args.threads), *own], env
+    raise AssertionError(code)  # validated in parse_args
+
+
+def finished(logdir):
+    path = pathlib.Path(logdir) / "runner.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("status") == "finished"
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def record(logdir, status, argv, started, code):
+    data = {"status": status, "exit": code, "seconds": round(time.time() - started, 1), "command": shlex.join(argv)}
+    path = pathlib.Path(logdir) / "runner.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def run_all(jobs, args):
+    """Start the jobs `args.parallel` at a time; each gets `args.hours` of wall clock."""
+    pending = [job for job in jobs if not finished(job["logdir"])]
+    for job in jobs:
+        if job not in pending:
+            print(f"learning.py: finished before, not rerun: {job['logdir']}")
+    running = []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            job = pending.pop(0)
+            job["logdir"].mkdir(parents=True, exist_ok=True)
+            log = open(job["logdir"].parent / f"{job['logdir'].name}.log", "a")
+            job["process"] = subprocess.Popen(job["argv"], env=job["env"], stdout=log, stderr=subprocess.STDOUT,
+                                              cwd=ROOT, start_new_session=True)
+            job["started"], job["log"] = time.time(), log
+            print(f"learning.py: started {job['logdir']} (log {log.name})", flush=True)
+            running.append(job)
+        time.sleep(5)
+        for job in list(running):
+            code = job["process"].poll()
+            over = time.time() - job["started"] > args.hours * 3600
+            if code is None and over:
+                # this project saves and stops on SIGTERM; the official code resumes from its last save (5 minutes)
+                os.killpg(job["process"].pid, signal.SIGTERM)
+                code = job["process"].wait()
+                status = "timed out"
+            elif code is None:
+                continue
+            else:
+                status = "finished" if code == 0 else "failed"
+            job["log"].close()
+            record(job["logdir"], status, job["argv"], job["started"], code)
+            print(f"learning.py: {status} (exit {code}) after {time.time() - job['started']:.0f} s: {job['logdir']}",
+                  flush=True)
+            running.remove(job)
+
+
+# ==================================================================================================
+# Report
+# ==================================================================================================
+
+
+def returns(logdir):
+    """(frames, train returns) of a run, or None before its first episode."""
+    try:
+        return plot.series(plot.read_metrics(logdir), "train/return", where=str(logdir))
+    except plot.PlotError:
+        return None
+
+
+def quarter_means(steps, values, total):
+    """Mean return of the first and of the last quarter of `total` frames (None where empty)."""
+    first = values[steps <= total / 4]
+    last = values[steps > total * 3 / 4]
+    return (float(first.mean()) if len(first) else None, float(last.mean()) if len(last) else None)
+
+
+def verdict(project_last, official_last, official_first):
+    """The rule of the module docstring."""
+    if not project_last or not official_last:
+        return "incomplete"
+    gains = [last > first for first, last in zip(official_first, official_last) if first is not None]
+    if sum(gains) * 2 <= len(official_last):
+        return "no learning to compare"
+    mean = float(np.mean(project_last))
+    low, high = min(official_last), max(official_last)
+    return "matches" if low <= mean <= high else ("below" if mean < low else "above")
+
+
+def report(out, tasks, seeds, codes, total, bin_frames):
+    """learning.md and learning.png under OUT; returns the markdown."""
+    reference = plot.load_reference()
+    lines, runs = [], []
+    for task in tasks:
+        stats = {code: {"first": [], "last": [], "seeds": []} for code in codes}
+        curves = {}
+        for code in codes:
+            for seed in seeds:
+                logdir = run_dir(out, task, code, seed)
+                data = returns(logdir)
+                if data is None:
+                    continue
+                steps, values = data
+                curves.setdefault(code, []).append((steps, values))
+                runs.append(f"{code}={logdir}")
+                first, last = quarter_means(steps, values, total)
+                if not finished(logdir):
+                    last = None  # a run still going (or stopped) says nothing about its last quarter
+                stats[code]["seeds"].append(seed)
+                stats[code]["first"].append(first)
+                if last is not None:
+                    stats[code]["last"].append(last)
+        frames = np.arange(bin_frames, total + bin_frames / 2, bin_frames)
+        lines += [f"### {task}", "", "| code | seeds | " + " | ".join(plot.format_frames(f) for f in frames)
+                  + " | last quarter, per seed |", "|---" * (len(frames) + 3) + "|"]
+        for code, seeds_curves in curves.items():
+            agg = plot.aggregate(seeds_curves, bin_frames)
+            cells = []
+            for f in frames:
+                hit = np.flatnonzero(agg["frames"] == f)
+                cells.append(f"{agg['mean'][hit[0]]:.0f} ({agg['min'][hit[0]]:.0f}-{agg['max'][hit[0]]:.0f})"
+                             if len(hit) else "")
+            last = ", ".join(f"{v:.0f}" for v in stats[code]["last"]) or "unfinished"
+            lines.append(f"| {code} | {len(seeds_curves)} | " + " | ".join(cells) + f" | {last} |")
+        curve = plot.find_reference(reference, "dmc_proprio" if task.startswith("dmc") else None, task)
+        if curve is not None:
+            cells = [f"{curve['mean'][np.flatnonzero(curve['frames'] == f)[0]]:.0f}"
+                     if np.any(curve["frames"] == f) else "" for f in frames]
+            lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
+        decision = verdict(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []),
+                           stats.get("official", {}).get("first", []))
+        lines += ["", f"Verdict: **{decision}**", ""]
+    text = "\n".join(lines) + "\n"
+    pathlib.Path(out, "learning.md").write_text(text)
+    if runs:
+        groups = plot.collect(runs, "train/return", "dmc_proprio", reference)
+        plot.plot(groups, "train/return", pathlib.Path(out, "learning.png"), spread="minmax", bin_frames=bin_frames)
+    return text
+
+
+# ==================================================================================================
+# Command line
+# ==================================================================================================
+
+
+def parse_args(argv):
+    own, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", required=True, help="comma-separated task names")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--codes", default=",".join(CODES), help="project, official or both")
+    parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
+    parser.add_argument("--official-python", default=sys.executable, help="its interpreter")
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder of the runs and the report")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
+    parser.add_argument("--threads", type=int, default=1, help="threads per run")
+    parser.add_argument("--hours", type=float, default=3.0, help="wall clock per run before it is stopped")
+    parser.add_argument("--bin", type=float, default=2500, help="frames per window of the report's table")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
+    parser.add_argument("--report", action="store_true", help="only write the report")
+    args = parser.parse_args(own)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.codes = [c for c in args.codes.split(",") if c]
+    bad = [c for c in args.codes if c not in CODES]
+    if bad:
+        raise RunnerError(f"--codes {','.join(bad)}: valid: {', '.join(CODES)}")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise RunnerError(f"--seeds {args.seeds}: give whole numbers, e.g. 0,1,2") from None
+    for name in ("parallel", "threads"):
+        if getattr(args, name) < 1:
+            raise RunnerError(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if "official" in args.codes and not args.report and not args.dry_run and not (
+            args.official and (args.official / "dreamerv3" / "main.py").is_file()):
+        raise RunnerError(f"--official {args.official}: needs a checkout of danijar/dreamerv3 (with "
+                          "dreamerv3/main.py), or --codes project")
+    for key in ("--task", "--seed", "--logdir"):
+        if key in flags:
+            raise RunnerError(f"{key} after --: the runner sets it for each run")
+    args.flags = flags
+    args.total = steps_of(flags)
+    return args
+
+
+def steps_of(flags):
+    """The frames each run trains for, as dreamer.py settles them (presets and --steps)."""
+    sys.path.insert(0, str(ROOT))
+    import dreamer
+    import tools
+
+    try:
+        return float(dreamer.parse([*flags, "--task", "dmc_cartpole_balance"]).steps)
+    except tools.ConfigError as e:
+        raise RunnerError(f"the flags after --: {e}") from None
+
+
+def main(argv=None):
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except RunnerError as e:
+        print(f"learning.py: {e}", file=sys.stderr)
+        return 2
+    jobs = []
+    for task in args.tasks:
+        for seed in args.seeds:
+            for code in args.codes:
+                logdir = run_dir(args.out, task, code, seed)
+                argv_, env = command(code, task, seed, args.flags, logdir, args)
+                jobs.append({"logdir": logdir, "argv": argv_, "env": env})
+    if args.dry_run:
+        for job in jobs:
+            state = "finished, skipped" if finished(job["logdir"]) else "to run"
+            print(f"OMP_NUM_THREADS={args.threads} {shlex.join(job['argv'])}  # {state}")
+        return 0
+    if not args.report:
+        run_all(jobs, args)
+    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

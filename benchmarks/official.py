@@ -1,0 +1,253 @@
+"""Run the official DreamerV3 (danijar/dreamerv3, JAX) with the settings of a project command.
+
+    python3 benchmarks/official.py --official ~/dreamerv3 --python ~/dreamerv3/venv/bin/python \\
+        --configs dmc_proprio recipe2024 size1m --task dmc_cheetah_run --seed 0 --steps 2e4 \\
+        --train_ratio 256 --batch_size 16 --batch_length 32 --envs 1 --device cpu --logdir ./logdir/off_s0
+
+Everything after the wrapper's own flags is a `dreamer.py` command line: it is parsed by this project's
+parser (presets, overrides, validation), and the settled values are translated to the official flags:
+task, seed, frames (`steps`: frames here, policy steps there, `run.steps = steps / action_repeat`),
+train ratio, batch size and length, the model size preset (`size1m` ... `size400m`, required: the official
+defaults are another size), environments, action repeat (`env.dmc.repeat`), precision
+(`jax.compute_dtype`), `replay_context` and the device (`jax.platform`). The official code at the commit
+the project follows (e3f0224) is the 2024 recipe, so the command must name `recipe2024`.
+
+Two differences the translation cannot remove, and how the runner (benchmarks/learning.py) meets them:
+- The official code has no random prefill: it trains once its replay holds one batch, collected by its own
+  (untrained) policy. The command must set `--prefill` to one batch of frames (batch_size x batch_length x
+  action_repeat) and `--pretrain 0`, so that both start training at the same frame.
+- Its train script does not evaluate: only training-episode returns are compared (`train/return`).
+
+The wrapper's own flags: `--official DIR` (a checkout of danijar/dreamerv3 with its requirements installed
+in the interpreter `--python`; set them up as its README says; on this project's CPU machines JAX 0.4.33's
+CPU wheels and numpy<2 worked), `--threads N` (one thread by default: OMP_NUM_THREADS and XLA's Eigen pool;
+the official code overwrites XLA_FLAGS in `embodied.jax.internal.setup`, so the wrapper starts it through a
+launcher that puts the caller's flags back after that call, and changes no file of the checkout),
+`--dry-run` (print the command and environment, start nothing) and `--convert` (only rewrite the outputs).
+
+Outputs, in LOGDIR: `official/` (the official logdir: its checkpoint, `scores.jsonl`, `metrics.jsonl`),
+`metrics.jsonl` in this project's form (one row per training episode: `step` in frames, `train/return`,
+`train/length`, `train/episodes`), rewritten from `official/scores.jsonl` after the run and by `--convert`,
+and `config.yaml` (task, seed, the translated settings, `code: official`), so that `benchmarks/plot.py`
+and `benchmarks/scores.py` read it as a run of the task. Rerunning the same command resumes from the
+official checkpoint. Bad input ends with one line and exit status 2.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dreamer  # noqa: E402
+import tools  # noqa: E402
+
+SIZES = tuple(f"size{n}m" for n in (1, 12, 25, 50, 100, 200, 400))
+SUITES = {"dmc_proprio": "dmc_proprio", "dmc_vision": "dmc_vision"}  # project preset -> official preset
+PRECISIONS = {"32": "float32", "bf16": "bfloat16", "16": "float16"}
+PLATFORMS = {"cpu": "cpu", "cuda": "cuda"}
+IGNORED_PRESETS = ("recipe2024",)  # the official code is this recipe
+
+# Runs the official main.py with the caller's XLA_FLAGS kept: embodied.jax.internal.setup replaces the
+# variable before the backend starts, which would undo the single-thread flags.
+LAUNCHER = """
+import os, runpy, sys
+root, args = sys.argv[1], sys.argv[2:]
+flags = os.environ.get("XLA_FLAGS", "")
+sys.path.insert(0, root)
+from embodied.jax import internal
+setup = internal.setup
+def setup_keeping_flags(*a, **k):
+    setup(*a, **k)
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
+internal.setup = setup_keeping_flags
+sys.argv = [os.path.join(root, "dreamerv3", "main.py"), *args]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class OfficialError(ValueError):
+    """A user mistake in the wrapper's command line: one line, exit status 2."""
+
+
+def settle(argv):
+    """(project Config, suite preset, size preset) of a dreamer.py command line."""
+    try:
+        config = dreamer.parse(argv)
+    except tools.ConfigError as e:
+        raise OfficialError(str(e)) from None
+    names = []
+    if "--configs" in argv:
+        start = argv.index("--configs") + 1
+        while start < len(argv) and not argv[start].startswith("--"):
+            names.append(argv[start])
+            start += 1
+    suites = [n for n in names if n in SUITES]
+    sizes = [n for n in names if n in SIZES]
+    other = [n for n in names if n not in SUITES and n not in SIZES and n not in IGNORED_PRESETS]
+    if len(suites) != 1:
+        raise OfficialError(f"--configs must name one suite preset of {', '.join(SUITES)}; got {names or 'none'}")
+    if len(sizes) != 1:
+        raise OfficialError(f"--configs must name one model size of {', '.join(SIZES)}; got {names or 'none'}")
+    if "recipe2024" not in names:
+        raise OfficialError("--configs must name recipe2024: the official code is the 2024 recipe (compare the "
+                            "paper's v1 recipe against benchmarks/reference_curves.json instead)")
+    if other:
+        raise OfficialError(f"presets with no official counterpart: {', '.join(other)}; valid: "
+                            f"{', '.join((*SUITES, *SIZES, *IGNORED_PRESETS))}")
+    if "," in config.task or not config.task.startswith("dmc_"):
+        raise OfficialError(f"--task {config.task}: the wrapper runs one DMC task (dmc_<domain>_<task>)")
+    return config, SUITES[suites[0]], sizes[0]
+
+
+def check_start(config):
+    """The official code trains once its replay holds one batch, with no random prefill."""
+    batch_frames = config.batch_size * config.batch_length * config.action_repeat
+    if config.prefill != batch_frames or config.pretrain != 0:
+        raise OfficialError(
+            f"--prefill {config.prefill:g} --pretrain {config.pretrain}: the official code has no random "
+            f"prefill and starts training at one batch of frames; pass --prefill {batch_frames} --pretrain 0 "
+            "so that both codes start training at the same frame")
+    if config.steps % config.action_repeat:
+        raise OfficialError(f"--steps {config.steps:g} is not a multiple of --action_repeat {config.action_repeat}")
+
+
+def official_flags(config, suite, size, logdir):
+    """The official main.py flags for the settled project config."""
+    precision = str(config.precision)
+    if precision not in PRECISIONS:
+        raise OfficialError(f"--precision {precision}: valid: {', '.join(PRECISIONS)}")
+    if config.device not in PLATFORMS:
+        raise OfficialError(f"--device {config.device}: the wrapper runs on {', '.join(PLATFORMS)}")
+    report_length = min(32, config.batch_length)  # the official report stream needs report_length <= batch_length
+    return [
+        "--configs", suite, size,
+        "--task", config.task,
+        "--seed", str(config.seed),
+        "--logdir", str(logdir),
+        "--batch_size", str(config.batch_size),
+        "--batch_length", str(config.batch_length),
+        "--report_length", str(report_length),
+        "--replay_context", str(config.replay_context),
+        "--env.dmc.repeat", str(config.action_repeat),
+        "--run.steps", str(int(config.steps // config.action_repeat)),
+        "--run.train_ratio", str(float(config.train_ratio)),
+        "--run.envs", str(config.envs),
+        "--run.log_every", "120",  # seconds in the official code
+        "--run.report_every", "600",
+        "--run.save_every", "300",
+        "--jax.platform", PLATFORMS[config.device],
+        "--jax.jit", "True",
+        "--jax.prealloc", str(config.device == "cuda"),
+        "--jax.compute_dtype", PRECISIONS[precision],
+        "--logger.outputs", "jsonl",
+    ]
+
+
+def environment(threads, logdir, device):
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("MUJOCO_GL", "egl")
+    env["JAX_COMPILATION_CACHE_DIR"] = str(logdir / "jax_cache")
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = str(threads)
+        if threads == 1:  # XLA's CPU client has no thread-count flag: one thread is "no Eigen pool"
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false"]).strip()
+    return env
+
+
+def convert(logdir, config, settings):
+    """LOGDIR/metrics.jsonl (this project's form) and config.yaml from official/scores.jsonl."""
+    scores = logdir / "official" / "scores.jsonl"
+    rows = []
+    if scores.is_file():
+        for line in scores.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of a run still writing
+            if "episode/score" in record:
+                rows.append(record)
+    lengths = {}
+    metrics = logdir / "official" / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "episode/length" in record:
+                lengths[record["step"]] = record["episode/length"]
+    out = []
+    for count, record in enumerate(sorted(rows, key=lambda r: r["step"]), 1):
+        row = {"step": record["step"], "train/return": float(record["episode/score"]), "train/episodes": count}
+        if record["step"] in lengths:
+            row["train/length"] = lengths[record["step"]]
+        out.append(json.dumps(row))
+    tools.atomic_write_bytes(logdir / "metrics.jsonl", "".join(line + "\n" for line in out).encode())
+    saved = {"code": "official", "task": config.task, "seed": config.seed, **settings}
+    tools.atomic_write_bytes(logdir / "config.yaml", "".join(f"{k}: {json.dumps(v)}\n" for k, v in saved.items())
+                             .encode())
+    return len(out)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="official.py --official DIR --python PY [--threads N] [--dry-run] "
+                                           "[--convert] DREAMER_FLAGS...")
+    parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter with its requirements")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--convert", action="store_true")
+    return parser.parse_known_args(argv)
+
+
+def main(argv=None):
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.threads < 1:
+            raise OfficialError(f"--threads {args.threads}: give a whole number >= 1")
+        config, suite, size = settle(rest)
+        if not config.logdir:
+            raise OfficialError("Missing --logdir")
+        check_start(config)
+        logdir = pathlib.Path(config.logdir).expanduser().resolve()
+        flags = official_flags(config, suite, size, logdir / "official")
+        settings = {"suite": suite, "size": size, "steps": config.steps, "train_ratio": config.train_ratio,
+                    "batch_size": config.batch_size, "batch_length": config.batch_length, "envs": config.envs,
+                    "action_repeat": config.action_repeat, "precision": str(config.precision),
+                    "device": config.device, "threads": args.threads}
+        if args.convert:
+            print(f"{convert(logdir, config, settings)} episodes -> {logdir / 'metrics.jsonl'}")
+            return 0
+        if args.official is None and not args.dry_run:
+            raise OfficialError("Missing --official DIR: a checkout of danijar/dreamerv3")
+        main_py = (args.official or pathlib.Path("<official>")) / "dreamerv3" / "main.py"
+        if not args.dry_run and not main_py.is_file():
+            raise OfficialError(f"--official {args.official}: no dreamerv3/main.py there")
+    except OfficialError as e:
+        print(f"official.py: {e}", file=sys.stderr)
+        return 2
+    root = str((args.official or pathlib.Path("<official>")).resolve() if args.official else "<official>")
+    command = [args.python, "-c", LAUNCHER, root, *flags]
+    env = environment(args.threads, logdir, config.device)
+    if args.dry_run:
+        shown = {k: env[k] for k in ("OMP_NUM_THREADS", "XLA_FLAGS", "MUJOCO_GL") if k in env}
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join([args.python, "-c",
+              "<launcher>", root, *flags]))
+        return 0
+    (logdir / "official").mkdir(parents=True, exist_ok=True)
+    code = subprocess.call(command, env=env, cwd=root)
+    count = convert(logdir, config, settings)
+    print(f"official.py: exit {code}; {count} training episodes -> {logdir / 'metrics.jsonl'}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

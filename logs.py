@@ -1,0 +1,502 @@
+"""What a run reports: metrics to the logging back ends, progress and status lines, metric names.
+
+1. Back ends: TensorBoard events, metrics.jsonl, metrics.csv and W&B behind one Logger, videos.
+2. Progress and status lines: the tqdm bar or plain progress line, bounded phases (prefill,
+   pretraining, compilation) that never pass a minute in silence, the environments' status line.
+3. Metric names and episode statistics: the TensorBoard groups of the update's metrics, episode
+   returns and lengths, per task, and the evaluation's scalars.
+
+Nothing here knows about the world model.
+"""
+
+import collections
+import datetime
+import io
+import json
+import os
+import pathlib
+import sys
+import threading
+import time
+import uuid
+import warnings
+
+import numpy as np
+import torch
+
+import envs
+from tools import atomic_write_bytes
+
+# ==================================================================================================
+# Back ends: TensorBoard, metrics.jsonl, metrics.csv, W&B
+# ==================================================================================================
+
+
+def video_frames(video):
+    """video: (B, T, H, W, C) uint8 or float in [0, 1] -> (T, H, B * W, C) uint8, the batch entries
+    laid side by side, as every back end shows it."""
+    video = np.asarray(video)
+    if np.issubdtype(video.dtype, np.floating):
+        video = np.clip(255 * video, 0, 255).astype(np.uint8)
+    batch, time, height, width, channels = video.shape
+    return video.transpose(1, 2, 0, 3, 4).reshape(time, height, batch * width, channels)
+
+
+def _video_warning(name, error):
+    warnings.warn(f"Could not write video {name}: {error}", stacklevel=3)
+
+
+class TensorBoardOutput:
+    """Scalars, videos and text as TensorBoard events in the logdir."""
+
+    def __init__(self, logdir, step, config):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run continues its curves: events written after the checkpoint are dropped.
+        self.writer = SummaryWriter(str(logdir), purge_step=step if step else None, max_queue=1000)
+
+    def write(self, step, scalars, videos):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8
+            try:
+                self.writer.add_video(name, frames[None].transpose(0, 1, 4, 2, 3), step, fps=16)
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.writer.flush()
+
+    def text(self, name, value, step):
+        self.writer.add_text(name, value, step)
+
+    def close(self):
+        self.writer.close()
+
+
+class JsonlOutput:
+    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}."""
+
+    def __init__(self, logdir, step, config):
+        self.path = pathlib.Path(logdir) / "metrics.jsonl"
+        if step and self.path.exists():  # a resumed run drops what came after its checkpoint
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            atomic_write_bytes(self.path, "".join(line + "\n" for line in keep).encode())
+
+    def write(self, step, scalars, videos):
+        if scalars:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **scalars}) + "\n")
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+class CsvOutput:
+    """metrics.csv: the rows of metrics.jsonl as one flat table, a column per metric (step first,
+    then in the order metrics first appear), an empty cell where a row lacks a metric.
+
+    A row is appended while the header holds all its metrics. A metric that appears later (eval/
+    after the first evaluation) widens the header: the file is then rewritten whole, atomically,
+    which happens only the few times a new name turns up.
+    """
+
+    def __init__(self, logdir, step, config):
+        import csv
+
+        self.csv = csv
+        self.path = pathlib.Path(logdir) / "metrics.csv"
+        self.columns, rows = ["step"], []
+        if self.path.exists():
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self.columns = list(reader.fieldnames or ["step"])
+                rows = list(reader)
+            if step:  # a resumed run drops what came after its checkpoint
+                kept = [row for row in rows if float(row["step"]) <= step]
+                if len(kept) < len(rows):
+                    self._rewrite(kept)
+
+    def _rewrite(self, rows):
+        buffer = io.StringIO()
+        writer = self.csv.DictWriter(buffer, self.columns, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_bytes(self.path, buffer.getvalue().encode())
+
+    def write(self, step, scalars, videos):
+        if not scalars:
+            return
+        row = {"step": step, **{name: repr(float(value)) for name, value in scalars.items()}}
+        new = [name for name in row if name not in self.columns]
+        if new or not self.path.exists():
+            rows = []
+            if self.path.exists():
+                with self.path.open(newline="") as f:
+                    rows = list(self.csv.DictReader(f))
+            self.columns += new
+            self._rewrite([*rows, row])
+            return
+        with self.path.open("a", newline="") as f:
+            self.csv.DictWriter(f, self.columns, restval="", lineterminator="\n").writerow(row)
+
+    def text(self, name, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+WANDB_MISSING = "--logger wandb needs the wandb package, which is not installed: pip install wandb"
+
+
+class WandbOutput:
+    """A Weights & Biases run: the saved config as the run's config, scalars, videos (where
+    video_pred_log is on) and text, against the frame count `step`.
+
+    The run's id is kept in logdir/wandb_id.txt, so a resumed training run continues the same W&B
+    run. W&B refuses steps that go backwards, and a resumed run repeats the frames between its
+    checkpoint and the kill: every value is therefore logged with `step` as its x axis (the
+    metric "step", defined as the step metric of all others) rather than as W&B's own step, so the
+    repeated frames show up as a short overlap instead of being dropped. WANDB_MODE=offline keeps
+    the run on disk (logdir/wandb/) for a later `wandb sync`.
+    """
+
+    ID_FILE = "wandb_id.txt"
+
+    @staticmethod
+    def check():
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError(WANDB_MISSING) from None
+
+    def __init__(self, logdir, step, config):
+        import wandb
+
+        self.wandb = wandb
+        logdir = pathlib.Path(logdir)
+        config = config or {}
+        options = config.get("wandb") or {}
+        id_file = logdir / self.ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+            atomic_write_bytes(id_file, (run_id + "\n").encode())
+        self.run = wandb.init(
+            project=options.get("project") or None, entity=options.get("entity") or None,
+            group=options.get("group") or None, name=options.get("name") or logdir.resolve().name,
+            tags=list(options.get("tags") or []) or None, id=run_id, resume="allow", dir=str(logdir),
+            config=config, settings=wandb.Settings(console="off"))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, step, scalars, videos):
+        data = {"step": step, **scalars}
+        for name, frames in videos.items():  # frames: (T, H, W, C) uint8; W&B takes (T, C, H, W)
+            try:
+                data[name] = self.wandb.Video(frames.transpose(0, 3, 1, 2), fps=16, format="mp4")
+            except Exception as e:  # noqa: BLE001 - a missing video encoder must not end training
+                _video_warning(name, e)
+        self.run.log(data)
+
+    def text(self, name, value, step):
+        self.run.log({"step": step, name: self.wandb.Html(f"<pre>{value}</pre>")})
+
+    def close(self):
+        self.run.finish()
+
+
+# --logger names -> back ends; tools.check_loggers validates a list of them.
+LOGGERS = {"tensorboard": TensorBoardOutput, "jsonl": JsonlOutput, "csv": CsvOutput, "wandb": WandbOutput}
+
+
+def check_loggers(names):
+    """Raise ValueError, in one line, for a --logger list that names an unknown back end, names
+    none, or names one whose package is missing (wandb is optional). Writes nothing."""
+    valid = ", ".join(LOGGERS)
+    if isinstance(names, str) or not names:
+        raise ValueError(f"Invalid value '{names if isinstance(names, str) else ''}' for --logger; valid: one or "
+                         f"more of {valid}, comma-separated")
+    for name in names:
+        if name not in LOGGERS:
+            raise ValueError(f"Invalid value '{name}' for --logger; valid: one or more of {valid}, comma-separated")
+    for name in dict.fromkeys(names):
+        check = getattr(LOGGERS[name], "check", None)
+        if check:
+            check()
+
+
+class Logger:
+    """Scalars and videos, collected between writes and sent at `write()` to each back end of
+    `outputs` (names of LOGGERS: TensorBoard events, metrics.jsonl, metrics.csv, W&B).
+
+    Scalars may be tensors; they are converted to floats only when written, so the training step
+    never waits on the device for logging. `config` is the run's config as a dict (W&B's run
+    config and options).
+    """
+
+    def __init__(self, logdir, step=0, outputs=("tensorboard", "jsonl"), config=None):
+        check_loggers(list(outputs))
+        self.logdir = pathlib.Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.outputs = [LOGGERS[name](self.logdir, step, config) for name in dict.fromkeys(outputs)]
+        self.scalars = collections.defaultdict(list)
+        self.videos = {}
+
+    def scalar(self, name, value):
+        self.scalars[name].append(value)
+
+    def video(self, name, value):
+        self.videos[name] = value
+
+    def write(self, step):
+        values = {}
+        for name, items in self.scalars.items():
+            values[name] = float(torch.as_tensor([float(v) for v in items], dtype=torch.float64).mean())
+        videos = {name: video_frames(video) for name, video in self.videos.items()}
+        for output in self.outputs:
+            output.write(step, values, videos)
+        self.scalars.clear()
+        self.videos.clear()
+        return values
+
+    def text(self, name, value, step):
+        for output in self.outputs:
+            output.text(name, value, step)
+
+    def close(self):
+        for output in self.outputs:
+            output.close()
+
+
+class NullLogger:
+    """What every process but the main one logs to under torchrun: nothing."""
+
+    def scalar(self, name, value):
+        pass
+
+    def video(self, name, value):
+        pass
+
+    def text(self, name, value, step):
+        pass
+
+    def write(self, step):
+        return {}
+
+    def close(self):
+        pass
+
+
+# ==================================================================================================
+# Progress and status lines
+# ==================================================================================================
+
+
+class Progress:
+    """One updating line (tqdm) in a terminal; a plain line at every log when stdout is a file."""
+
+    def __init__(self, total, initial, interactive=None):
+        from tqdm import tqdm
+
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.total = total
+        self.bar = tqdm(total=total, initial=initial, unit="frame", dynamic_ncols=True, disable=not self.interactive)
+        self.stats = {}
+
+    def update(self, frames, **stats):
+        self.stats.update({k: v for k, v in stats.items() if v is not None})
+        if self.interactive:
+            self.bar.update(frames - self.bar.n)
+            self.bar.set_postfix({k: self.format(k, v) for k, v in self.stats.items()}, refresh=False)
+
+    @staticmethod
+    def format(key, value):
+        return f"{value:.0%}" if key.endswith("_busy") else f"{value:.1f}"
+
+    def line(self, frames):
+        """The plain progress line: frames, rates, last returns and ETA."""
+        fps = self.stats.get("fps", 0.0)
+        eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
+        parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
+        parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
+        return " | ".join(parts + [f"ETA {eta}"])
+
+    def log(self, frames):
+        if not self.interactive:
+            print(self.line(frames), flush=True)
+
+    def close(self):
+        self.bar.close()
+
+
+class Phase:
+    """A bounded phase before training proper (prefill, pretraining, compilation): its own tqdm bar
+    in a terminal; in a log file a plain line when it starts, after its first step and then every
+    `every` seconds with its rate and ETA, and when it ends, so that no minute passes in silence.
+    A heartbeat thread keeps the lines (and the bar's clock) coming while one step takes long, such
+    as a full-size update on a loaded CPU or a compilation."""
+
+    def __init__(self, name, total, unit, interactive, every=10.0):
+        from tqdm import tqdm
+
+        self.name, self.total, self.unit, self.interactive, self.every = name, total, unit, interactive, every
+        self.done, self.start = 0, time.time()
+        self.last = self.start
+        self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True, leave=False, disable=not interactive)
+        if not interactive:
+            print(f"{name}: 0/{total} {unit}s", flush=True)
+        self.stopped = threading.Event()
+        if every > 0:
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def heartbeat(self):
+        while not self.stopped.wait(self.every):
+            if self.interactive:
+                self.bar.refresh()
+            elif time.time() - self.last >= self.every:
+                self.last = time.time()
+                print(self.line(self.last), flush=True)
+
+    def update(self, done):
+        self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        # The first step gives the rate (and ETA) as soon as it is known; then every `every` seconds.
+        if not self.interactive and (self.last == self.start or now - self.last >= self.every):
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def line(self, now):
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = datetime.timedelta(seconds=int((self.total - self.done) / rate)) if rate > 0 else "?"
+        percent = 100 * self.done / max(self.total, 1)
+        return (f"{self.name}: {self.done}/{self.total} {self.unit}s ({percent:.0f}%) | "
+                f"{rate:.2f} {self.unit}s/s | elapsed {datetime.timedelta(seconds=int(elapsed))} | ETA {eta}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):
+        self.close(finished=error is None)
+
+    def close(self, finished=True):
+        self.stopped.set()
+        self.bar.close()
+        if not finished:  # an error is on its way up; no "done" line
+            return
+        seconds = time.time() - self.start
+        message = f"{self.name}: done, {self.done} {self.unit}s in {seconds:.1f} s"
+        if self.interactive:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+
+class FirstCalls:
+    """Calls of a kind that is slow the first time (a compiling update: minutes on a CPU): the first
+    call of each `name` is a Phase of its own, a bar in a terminal or log lines, so that the wait is
+    not silent; later ones run plainly. `interactive()` says whether stdout is a terminal."""
+
+    def __init__(self, label, interactive):
+        self.label, self.interactive, self.seen = label, interactive, set()
+
+    def __call__(self, name, fn, *args):
+        if name in self.seen:
+            return fn(*args)
+        self.seen.add(name)
+        with Phase(f"{self.label} ({name})", 1, "call", self.interactive()) as phase:
+            out = fn(*args)
+            phase.update(1)
+        return out
+
+
+def env_status_line(rows):
+    """One line for the environments' status rows (parallel.Collector.status), however many there
+    are: steps, episodes, fps and step time as min/median/max, and the environments whose worker
+    was restarted."""
+    def spread(key, digits=1):
+        values = np.array([row[key] for row in rows], float)
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return "-"
+        low, mid, high = np.min(values), np.median(values), np.max(values)
+        return f"{low:.{digits}f}/{mid:.{digits}f}/{high:.{digits}f}"
+
+    restarted = [f"{i} ({row['restarts']}x)" for i, row in enumerate(rows) if row.get("restarts")]
+    return (f"  envs {len(rows)} (min/median/max): steps {spread('steps', 0)} | episodes "
+            f"{sum(row['episodes'] for row in rows)} | fps {spread('fps')} | step {spread('step_ms')} ms"
+            + (f" | restarted: env {', '.join(restarted)}" if restarted else ""))
+
+
+def write_mp4(path, frames, fps=30):
+    import imageio.v2 as imageio
+
+    tmp = path.with_name(f".{path.stem}.tmp.mp4")
+    imageio.mimwrite(tmp, list(frames), fps=fps, format="FFMPEG", macro_block_size=1)
+    os.replace(tmp, path)
+
+
+# ==================================================================================================
+# Metric names and episode statistics
+# ==================================================================================================
+
+
+def episode_stats(episode):
+    return {"return": float(episode["reward"].sum()), "length": len(episode["reward"]) - 1}
+
+
+def by_task(tasks, episodes):
+    """{task name: its episodes}, in the order of `tasks`, for the tasks that have any. An episode
+    without a `task` key (stored before runs of several tasks existed) is of the first task."""
+    groups = {}
+    for episode in episodes:
+        index = int(episode["task"][0]) if "task" in episode else 0
+        groups.setdefault(index, []).append(episode)
+    return {tasks[i]: groups[i] for i in sorted(groups)}
+
+
+def log_episode_metrics(logger, prefix, tasks, episodes):
+    """The suites' own scalars (envs.episode_metrics) of each task: <prefix>/<key> with one task,
+    <prefix>/<task>/<key> with several."""
+    for task, group in by_task(tasks, episodes).items():
+        scope = f"{prefix}/{task}" if len(tasks) > 1 else prefix
+        for key, value in envs.episode_metrics(task, group).items():
+            logger.scalar(f"{scope}/{key}", value)
+
+
+ACTOR_METRICS = ("return_scale", "advantage", "imag_reward", "imag_return")
+
+
+def metric_name(key):
+    """Group metrics in TensorBoard: expl/, actor/, critic/ or world_model/."""
+    if key.startswith("expl_"):
+        return f"expl/{key[5:]}"
+    if key.startswith("actor") or key in ACTOR_METRICS:
+        return f"actor/{key}"
+    if key.startswith("critic") or key == "imag_value":
+        return f"critic/{key}"
+    return f"world_model/{key}"
+
+
+def log_evaluation(logger, episodes, config):
+    """eval/return, return_std, length and episodes over all episodes; with several tasks the same
+    for each task as eval/<task>/..., and the suites' own metrics per task."""
+    tasks = envs.parse_tasks(config.task)
+    groups = {"eval": episodes}
+    if len(tasks) > 1:
+        groups.update({f"eval/{task}": group for task, group in by_task(tasks, episodes).items()})
+    for scope, group in groups.items():
+        returns = [episode_stats(e)["return"] for e in group]
+        logger.scalar(f"{scope}/return", float(np.mean(returns)))
+        logger.scalar(f"{scope}/return_std", float(np.std(returns)))
+        logger.scalar(f"{scope}/length", float(np.mean([episode_stats(e)["length"] for e in group])))
+        logger.scalar(f"{scope}/episodes", len(group))
+    log_episode_metrics(logger, "eval", tasks, episodes)
+    returns = [episode_stats(e)["return"] for e in episodes]
+    if config.video_pred_log and "image" in episodes[0]:
+        logger.video("eval/policy", episodes[0]["image"][None])
+    return returns

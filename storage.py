@@ -1,0 +1,587 @@
+"""Where the experience lives: episode files on disk, the replay in memory, and the learner's batches.
+
+1. Episode files: each episode as an atomically written .npz, in chunks while it runs, loaded back
+   (checked against the run's spaces) when a run resumes or trains offline.
+2. The replay: one ring buffer of consecutive steps per environment, sampled uniformly as
+   sequences, whose steps can be rewritten by id (the policy latents of models.ReplayContext).
+3. The prefetcher: the learner's batches sampled ahead into pinned memory and copied to the device
+   without a stall, with the replay context's write-back applied to a batch sampled ahead.
+
+Nothing here knows about the world model or the environments.
+"""
+
+import collections
+import datetime
+import io
+import pathlib
+import sys
+import threading
+import uuid
+
+import numpy as np
+import torch
+
+from tools import WriteError, atomic_write_bytes, total_updates
+
+# ==================================================================================================
+# Episode files: whole, and in chunks while an episode runs
+# ==================================================================================================
+
+
+def episode_name():
+    """A new episode's name, `<time stamp>-<unique id>`: its files (the whole episode, or its
+    chunks while it runs) all start with it, so names alone sort them by time and group them."""
+    return f"{datetime.datetime.now().strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}"
+
+
+def save_episode(directory, episode, name=None):
+    """Write one episode (dict of arrays, time first) as compressed .npz, atomically.
+
+    The file name, `<name>-<length>.npz`, carries a time stamp, a unique id (`name`, by default a new
+    `episode_name()`) and the length, so that the newest episodes can be found from names alone and
+    a crash never leaves a half-written episode behind. Raises WriteError when the file cannot be
+    written (full disk, read-only folder).
+    """
+    directory = pathlib.Path(directory)
+    filename = directory / f"{name or episode_name()}-{len(episode['reward'])}.npz"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(filename, e) from None
+    with io.BytesIO() as buffer:
+        np.savez_compressed(buffer, **episode)
+        atomic_write_bytes(filename, buffer.getvalue())
+    return filename
+
+
+# A chunk of a running episode: `<name>-c<index>-<length>.npz`, index from 0 (zero-padded, so that
+# names sort in order). Chunk 0 holds the episode's first, action-less step; the chunks of an episode
+# concatenated are the episode so far. Once its whole file `<name>-<length>.npz` exists they are stale.
+CHUNK_DIGITS = 8
+
+
+def parse_episode_file(path):
+    """(episode name, chunk index or None for a whole episode, length) from a file name; a name of
+    another form is a whole episode of unknown length (None), named by itself."""
+    parts = pathlib.Path(path).stem.split("-")
+    try:
+        length = int(parts[-1])
+    except ValueError:
+        return pathlib.Path(path).stem, None, None
+    if len(parts) >= 4 and parts[-2].startswith("c") and parts[-2][1:].isdigit():
+        return "-".join(parts[:-2]), int(parts[-2][1:]), length
+    if len(parts) < 2:
+        return pathlib.Path(path).stem, None, None
+    return "-".join(parts[:-1]), None, length
+
+
+def episode_files(directory):
+    """The episodes stored in a folder, newest first: [(name, [file, ...])], one file for a whole
+    episode, the chunks in order for one that was still running (or cut short by a kill). Chunks
+    of an episode whose whole file exists are left out: a kill between writing the whole episode and
+    removing its chunks leaves both, and each step must count once."""
+    whole, chunks = {}, collections.defaultdict(list)
+    for path in pathlib.Path(directory).glob("*.npz"):
+        name, index, _ = parse_episode_file(path)
+        if index is None:
+            whole[path.stem] = (name, [path])
+        else:
+            chunks[name].append((index, path))
+    names = {name for name, _ in whole.values()}
+    items = list(whole.values())
+    for name, found in chunks.items():
+        if name not in names:
+            items.append((name, [path for _, path in sorted(found)]))
+    return sorted(items, key=lambda item: item[0], reverse=True)
+
+
+def read_episode(files):
+    """One episode from its file, or from its chunks (concatenated; a missing chunk ends it there, so
+    that no two steps that did not follow each other become neighbours)."""
+    parts = []
+    for position, path in enumerate(files):
+        _, index, _ = parse_episode_file(path)
+        if index is not None and index != position:
+            break
+        with path.open("rb") as f:
+            data = np.load(f)
+            parts.append({k: data[k] for k in data.keys()})
+    if not parts:
+        raise ValueError("its first chunk is missing")
+    if len(parts) == 1:
+        return parts[0]
+    keys = set(parts[0])
+    if any(set(part) != keys for part in parts):
+        raise ValueError("its chunks hold different keys")
+    return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+
+class EpisodeWriter:
+    """One environment's episodes on disk as they are collected, so that a kill loses at most one
+    unfinished chunk: every `chunk_size` steps are written as a chunk file (atomically) once they are
+    final, and the whole episode once it ends, which then replaces its chunks. chunk_size 0 writes
+    whole episodes only.
+
+    `add(steps)` takes the episode so far (a list of step dicts, newest last) after each new step.
+    A chunk never holds the newest step: its stored policy latent (models.ReplayContext) is filled in
+    only when the policy acts on it, so a chunk is written once chunk_size steps before the newest
+    are unwritten. `finish(episode)` writes the whole episode first and removes the chunks after it:
+    a kill in between leaves stale chunks that loading and counting ignore (`episode_files`), so no
+    step is lost or read twice.
+    """
+
+    def __init__(self, directory, chunk_size):
+        self.directory, self.chunk_size = pathlib.Path(directory), int(chunk_size)
+        self._start()
+
+    def _start(self):
+        self.name, self.chunks, self.written = episode_name(), [], 0
+
+    def add(self, steps):
+        if len(steps) == 1 and self.written:  # a new episode (after a restarted worker): the old one's chunks stay
+            self._start()
+        if not self.chunk_size or len(steps) - 1 - self.written < self.chunk_size:
+            return None
+        part = steps[self.written:self.written + self.chunk_size]
+        chunk = {k: np.stack([step[k] for step in part]) for k in part[0]}
+        path = self.directory / f"{self.name}-c{len(self.chunks):0{CHUNK_DIGITS}d}-{len(part)}.npz"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WriteError(path, e) from None
+        with io.BytesIO() as buffer:
+            np.savez_compressed(buffer, **chunk)
+            atomic_write_bytes(path, buffer.getvalue())
+        self.chunks.append(path)
+        self.written += len(part)
+        return path
+
+    def finish(self, episode):
+        """Write the whole `episode` (dict of (T, ...) arrays), remove its chunks, and start the next one."""
+        path = save_episode(self.directory, episode, self.name)
+        for chunk in self.chunks:
+            chunk.unlink(missing_ok=True)
+        self._start()
+        return path
+
+
+# Keys an episode may lack: `task` (the step's index into the run's --task list) came with runs of
+# several tasks; an episode stored before holds steps of a single task, index 0.
+OPTIONAL_KEYS = ("task",)
+
+
+def episode_spec(obs_space, act_space):
+    """What every stored episode must hold: key -> (per-step shape, dtype), from the run's spaces."""
+    spec = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in obs_space.items() if not k.startswith("log_")}
+    spec["action"] = (tuple(act_space.shape), np.dtype(np.float32))
+    spec["reward"] = ((), np.dtype(np.float32))
+    spec["task"] = ((), np.dtype(np.int32))
+    return spec
+
+
+def step_bytes(spec):
+    """Bytes of one replayed step of `spec` (episode_spec, plus any stored latents): what the replay
+    holds in memory per step, and what an episode file holds per step before compression."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in spec.values())
+
+
+def available_memory(device="cpu"):
+    """Bytes of memory free for new allocations: on a CUDA device its free memory, else the host's
+    (Linux MemAvailable; elsewhere None: not known)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0] if torch.cuda.is_available() else None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
+
+
+def fit_latents(episode, spec):
+    """The episode with its stored policy latents (`latent_*` keys, see models.ReplayContext)
+    made to fit `spec`: latents the spec wants but the episode lacks (written by a run without
+    replay context), or holds in another shape (another model size), become zeros, which the
+    replay context reads as the initial state; latents the spec does not want are dropped."""
+    length = len(episode["reward"]) if "reward" in episode else 0
+    fitted = {k: v for k, v in episode.items() if not k.startswith(LATENT) or k in spec}
+    for key, (shape, dtype) in spec.items():
+        value = fitted.get(key)
+        if key.startswith(LATENT) and (value is None or value.shape != (length, *shape) or value.dtype != dtype):
+            fitted[key] = np.zeros((length, *shape), dtype)
+    return fitted
+
+
+def episode_problem(episode, spec):
+    """Why `episode` (dict of (T, ...) arrays) does not fit `spec`, or None when it does.
+
+    `log_*` keys are free: they only feed the suite metrics.
+    """
+    keys = {k for k in episode if not k.startswith("log_")}
+    if keys - set(spec):
+        return f"unexpected keys {sorted(keys - set(spec))}"
+    if set(spec) - keys - set(OPTIONAL_KEYS):
+        return f"missing keys {sorted(set(spec) - keys - set(OPTIONAL_KEYS))}"
+    lengths = {len(v) if np.ndim(v) else 0 for k, v in episode.items() if k in spec}
+    if len(lengths) != 1 or 0 in lengths:
+        return f"keys of different or zero lengths {sorted(lengths)}"
+    for key, (shape, dtype) in spec.items():
+        if key not in episode:  # optional
+            continue
+        value = episode[key]
+        if value.shape[1:] != shape:
+            return f"'{key}' has step shape {value.shape[1:]}, expected {shape}"
+        if value.dtype != dtype:
+            return f"'{key}' has dtype {value.dtype}, expected {dtype}"
+    return None
+
+
+def skip_warning(filename, problem):
+    """One line per skipped episode file."""
+    print(f"warning: skipping episode {filename}: {problem}", file=sys.stderr, flush=True)
+
+
+def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
+    """Load the newest episodes whose lengths sum to at most `limit` steps, oldest first.
+
+    An episode is a whole file, or the chunks of one that was still running (`episode_files`): its
+    steps so far, a partial episode. A corrupt or unreadable file, and with `spec` (see
+    `episode_spec`) an episode that does not fit the run's spaces, is skipped and reported to
+    `on_skip(filename, problem)`, never fatal. Stored policy latents are fitted to the spec first
+    (`fit_latents`). With `spec`, an episode without `task` gets task 0 at every step (OPTIONAL_KEYS).
+    """
+    directory = pathlib.Path(directory)
+    if not directory.exists():
+        return []
+    episodes, total = [], 0
+    for _, files in episode_files(directory):
+        try:
+            episode = read_episode(files)
+            if spec is not None:
+                episode = fit_latents(episode, spec)
+            problem = episode_problem(episode, spec) if spec is not None else None
+            if problem is None and "reward" not in episode:
+                problem = "missing key 'reward'"
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
+            problem = f"unreadable ({e})"
+        if problem is not None:
+            on_skip(files[0] if len(files) == 1 else f"{files[0]} (and its {len(files) - 1} later chunks)", problem)
+            continue
+        length = len(episode["reward"])
+        if limit is not None and total + length > limit:
+            break
+        total += length
+        if spec is not None and "task" in spec and "task" not in episode:
+            episode["task"] = np.zeros(length, np.int32)
+        episodes.append(episode)
+    return episodes[::-1]
+
+
+def stored_steps(directory):
+    """Policy steps held in a folder's episode files, read from their names without opening them:
+    a whole episode of `...-<length>.npz` holds length - 1 (its first step has no action), as does
+    the first chunk of a running one; every later chunk holds its length. Chunks made stale by
+    their episode's whole file count nothing (`episode_files`)."""
+    total = 0
+    for _, files in episode_files(directory):
+        for path in files:
+            _, index, length = parse_episode_file(path)
+            if length is not None:
+                total += max(0, length - 1) if not index else length
+    return total
+
+
+# ==================================================================================================
+# The replay: streams of consecutive steps, sampled uniformly
+# ==================================================================================================
+
+
+class Stream:
+    """Ring buffer of consecutive steps from one environment, as growable arrays: numpy arrays in
+    host memory, or with `device` torch tensors there (replay_device), which a batch is gathered
+    from without a copy from the host."""
+
+    def __init__(self, capacity, device=None):
+        self.capacity, self.device = capacity, device
+        self.data = {}
+        self.count = 0  # steps ever written
+
+    def __len__(self):
+        return min(self.count, self.capacity)
+
+    def empty(self, shape, dtype):
+        """An array to hold steps: dtype a numpy dtype (the first step's) or, when a tensor grows, a torch one."""
+        if self.device is None:
+            return np.empty(shape, dtype)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def add(self, step):
+        """Append one step; returns its index among all steps ever written (its id in this stream)."""
+        if not self.data:
+            size = min(self.capacity, 1024)
+            self.data = {k: self.empty((size, *np.shape(v)), np.asarray(v).dtype) for k, v in step.items()}
+        size = len(next(iter(self.data.values())))
+        if self.count == size and size < self.capacity:
+            new = min(self.capacity, 2 * size)
+            for key, array in self.data.items():
+                grown = self.empty((new, *array.shape[1:]), array.dtype)
+                grown[:size] = array
+                self.data[key] = grown
+        index = self.count % self.capacity
+        for key, value in step.items():
+            self.data[key][index] = value if self.device is None else torch.as_tensor(np.ascontiguousarray(value))
+        self.count += 1
+        return self.count - 1
+
+    def indices(self, starts, length):
+        """Physical indices (len(starts), length) of logical positions (0 = oldest step)."""
+        offset = self.count % self.capacity if self.count > self.capacity else 0
+        return (offset + starts[:, None] + np.arange(length)[None]) % self.capacity
+
+    def gather(self, array, phys):
+        """array[phys] for numpy indices phys, on the array's device."""
+        return array[phys] if self.device is None else array[torch.as_tensor(phys, device=array.device)]
+
+    def first(self):
+        """Id (index among all steps ever written) of the oldest step still held."""
+        return self.count - len(self)
+
+    def write(self, first, values):
+        """Overwrite the steps with ids first, first + 1, ... by values (dict of (L, ...) arrays or
+        tensors); steps no longer held (dropped for newer ones) are left out."""
+        ids = first + np.arange(len(next(iter(values.values()))))
+        held = (ids >= self.first()) & (ids < self.count)
+        phys = ids[held] % self.capacity  # a step's slot: its id modulo the capacity (see add)
+        for key, value in values.items():
+            if self.device is None:
+                self.data[key][phys] = np.asarray(value)[held]
+            else:
+                value = torch.as_tensor(value, device=self.device)
+                self.data[key][torch.as_tensor(phys, device=self.device)] = value[torch.as_tensor(held,
+                                                                                                  device=self.device)]
+
+
+class Replay:
+    """Uniform sequence replay over one stream of consecutive steps per environment.
+
+    Sequences may cross episode boundaries inside a stream; `is_first` marks where the world
+    model must reset its latent state, as in the official implementation. The oldest steps are
+    dropped once `capacity` steps are held in total.
+
+    Every step has an id (stream, index among the stream's steps) by which `update` rewrites it
+    (the policy's latents, the replay context's write-back, models.ReplayContext).
+
+    Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
+    under the lock, so a later add never changes a batch already taken).
+    """
+
+    def __init__(self, capacity, streams, seed=0, device=None):
+        per_stream = max(1, int(np.ceil(capacity / streams)))
+        self.device = None if device is None else torch.device(device)  # replay_device: None is host memory
+        self.streams = [Stream(per_stream, self.device) for _ in range(streams)]
+        self.rng = np.random.default_rng(seed)
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self):
+        """Bytes the stored steps' arrays take now (they grow to capacity as steps come in)."""
+        with self.lock:
+            return sum(array.nbytes for stream in self.streams for array in stream.data.values())
+
+    def __len__(self):
+        with self.lock:
+            return sum(len(s) for s in self.streams)
+
+    def add(self, step, stream=0):
+        """Append one step to a stream; returns its id (stream, index among the stream's steps)."""
+        with self.lock:
+            return stream, self.streams[stream].add(step)
+
+    def add_episode(self, episode, stream=0):
+        length = len(episode["reward"])
+        with self.lock:
+            for t in range(length):
+                self.streams[stream].add({k: v[t] for k, v in episode.items()})
+
+    def ready(self, length):
+        with self.lock:
+            return any(len(s) >= length for s in self.streams)
+
+    def sample(self, batch, length, ids=False, alloc=np.empty):
+        """A batch of sequences: dict of arrays (batch, length, ...), tensors on the device for a
+        replay there; with `ids` also the id of each sequence's first step, (batch, 2) int64 of
+        (stream, index), for `update`. `alloc(shape, dtype)` makes each array the batch is copied
+        into (Prefetcher: pinned memory; a replay on the device allocates there)."""
+        with self.lock:
+            data, first = self._sample(batch, length, alloc)
+        return (data, first) if ids else data
+
+    def update(self, ids, values):
+        """Overwrite stored steps: row b of values (dict of (batch, L, ...) arrays) goes to the L
+        steps from id ids[b] (as `sample` gives them) on; steps dropped meanwhile are left out."""
+        with self.lock:
+            for row, (stream, first) in enumerate(np.asarray(ids)):
+                self.streams[stream].write(int(first), {k: v[row] for k, v in values.items()})
+
+    def _sample(self, batch, length, alloc=np.empty):
+        starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
+        if starts.sum() == 0:
+            raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
+        which = self.rng.choice(len(self.streams), size=batch, p=starts / starts.sum())
+        out = {}
+        first = np.stack([which, np.zeros(batch, np.int64)], 1).astype(np.int64)
+        for index in np.unique(which):
+            stream = self.streams[index]
+            rows = np.nonzero(which == index)[0]
+            start = self.rng.integers(0, starts[index], size=len(rows))
+            phys = stream.indices(start, length)
+            first[rows, 1] = stream.first() + start
+            for key, array in stream.data.items():
+                if key not in out:
+                    out[key] = (alloc((batch, length, *array.shape[1:]), array.dtype) if self.device is None
+                                else torch.empty((batch, length, *array.shape[1:]), dtype=array.dtype,
+                                                 device=self.device))
+                out[key][rows if self.device is None else torch.as_tensor(rows, device=self.device)] = \
+                    stream.gather(array, phys)
+        return out, first
+
+
+def strip_logs(episode):
+    """Replay keeps what the model trains on; `log_*` keys only feed the suite metrics."""
+    return {k: v for k, v in episode.items() if not k.startswith("log_")}
+
+
+def cost_lines(config, spec, free=None):
+    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps
+    (the device's with replay_device), the episode files' disk per million steps; a WARNING when the
+    replay cannot fit in the memory free now (`free`, bytes; by default available_memory())."""
+    step = step_bytes(spec)
+    replay = step * config.dataset_size
+    device = config.device if config.replay_device else "cpu"
+    free = available_memory(device) if free is None else free
+    where = f"{torch.device(device).type.upper()} memory" if config.replay_device else "memory"
+    gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} at "
+             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
+             "million steps on disk (compressed .npz, images usually less)"]
+    if free is not None and replay > free:
+        fix = "lower --dataset_size" + (", or --replay_device False" if config.replay_device else "")
+        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of {where} is free; the run "
+                     f"will run out of memory as the replay fills: {fix}")
+    return lines
+
+
+# ==================================================================================================
+# The prefetcher: the learner's batches, sampled ahead
+# ==================================================================================================
+
+
+class Prefetcher:
+    """The learner's replay batches, without a stall on the device: on CUDA each batch is sampled
+    into pinned host memory and copied with non_blocking=True, and while an update runs the next
+    batch of the same run of updates is sampled on a background thread (`ahead`; on a CPU the
+    thread would compete with the update for the cores, so there it samples on demand).
+
+    The batches and their order are those of plain Replay.sample calls with the same random
+    stream: a batch sampled ahead is taken before anything else samples, and the write-back of the
+    update before it (models.ReplayContext.write_back, which calls `update` here) is applied to it
+    too, as if it had been sampled after. Only within one run of updates (`next(more=True)`): the
+    steps the environments add between runs reach the next batch as without prefetching.
+    """
+
+    def __init__(self, replay, batch, length, device="cpu", ahead=None):
+        self.replay, self.batch, self.length = replay, batch, length
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        # A replay on the device gathers its batch there, in no time worth a thread.
+        self.ahead = (self.cuda and replay.device is None) if ahead is None else ahead
+        self.pending = None  # (thread, result dict) of the batch being sampled ahead
+
+    def host_array(self, shape, dtype):
+        """Where a batch is sampled into: pinned memory on CUDA (an asynchronous copy needs it),
+        plain numpy otherwise."""
+        if not self.cuda:
+            return np.empty(shape, dtype)
+        like = torch.from_numpy(np.empty(0, dtype)).dtype
+        return torch.empty(shape, dtype=like, pin_memory=True).numpy()  # the array keeps the tensor alive
+
+    def sample(self):
+        return self.replay.sample(self.batch, self.length, ids=True, alloc=self.host_array)
+
+    def next(self, more=False):
+        """The next batch: (batch, ids, data): batch a dict of host arrays (B, L, ...), ids (B, 2)
+        as Replay.sample gives them, data the batch as tensors on the device (on CUDA, copied
+        asynchronously) or None (on a CPU: preprocess converts the host arrays). `more`: another
+        batch follows in this run of updates; it is sampled ahead while this one trains."""
+        batch, ids = self._take() if self.pending is not None else self.sample()
+        if self.replay.device is not None:  # replay_device: the batch is on the device already
+            return batch, ids, batch
+        data = self.to_device(batch) if self.cuda else None
+        if more and self.ahead:
+            result = {}
+
+            def work():
+                try:
+                    result["value"] = self.sample()
+                except BaseException as e:  # noqa: BLE001 - raised in the learner's thread by _take
+                    result["error"] = e
+
+            thread = threading.Thread(target=work, name="prefetch", daemon=True)
+            thread.start()
+            self.pending = (thread, result)
+        return batch, ids, data
+
+    def _take(self):
+        thread, result = self.pending
+        thread.join()
+        self.pending = None
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    def to_device(self, batch):
+        """dict of host arrays -> dict of tensors on the device, copied without waiting. The copy
+        is made from the pinned tensor behind each array (host_array), so that the caching host
+        allocator keeps its memory until the copy is done."""
+        return {k: host_tensor(v).to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def update(self, ids, values):
+        """Replay.update, also applied to a batch sampled ahead of it (see the class)."""
+        if self.pending is not None:
+            thread, result = self.pending
+            thread.join()
+            if "value" in result:
+                batch, pending_ids = result["value"]
+                overlay(batch, pending_ids, self.length, ids, values)
+        self.replay.update(ids, values)
+
+
+def host_tensor(array):
+    """The tensor a numpy array was made from by Tensor.numpy() (a pinned buffer), else a tensor
+    sharing the array's memory."""
+    base = array.base
+    if isinstance(base, torch.Tensor) and base.data_ptr() == array.ctypes.data and base.shape == array.shape:
+        return base
+    return torch.from_numpy(array)
+
+
+def overlay(batch, ids, length, written_ids, values):
+    """Write `values` (dict of (B', L', ...) arrays, row q for the L' steps from written_ids[q], as
+    Replay.update takes them) into `batch` (dict of (B, length, ...) arrays sampled from ids (B, 2))
+    wherever the same steps of the same stream are in both; later rows win, as in Replay.update."""
+    ids, written_ids = np.asarray(ids), np.asarray(written_ids)
+    span = len(next(iter(values.values()))[0])
+    for q, (stream, first) in enumerate(written_ids):
+        for r in np.nonzero(ids[:, 0] == stream)[0]:
+            start = ids[r, 1]
+            low, high = max(start, first), min(start + length, first + span)
+            if low < high:
+                for key, value in values.items():
+                    value = value if isinstance(batch[key], torch.Tensor) else np.asarray(value)
+                    batch[key][r, low - start:high - start] = value[q, low - first:high - first]

@@ -1,0 +1,220 @@
+"""benchmarks/official.py (the official code run with a project command's settings) and
+benchmarks/learning.py (both codes side by side, resumable, with a verdict per task). The official
+code cannot be installed by the suite: a stand-in checkout below has its layout (dreamerv3/main.py,
+embodied/jax/internal.py whose setup overwrites XLA_FLAGS as the real one does) and writes
+scores.jsonl as the real one does."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learning  # noqa: E402
+import official  # noqa: E402
+
+SETTINGS = ["--configs", "dmc_proprio", "recipe2024", "size1m", "--steps", "2e3", "--train_ratio", "256",
+            "--batch_size", "16", "--batch_length", "32", "--envs", "1", "--prefill", "1024", "--pretrain", "0",
+            "--eval_episode_num", "0", "--device", "cpu"]
+
+STAND_IN_SETUP = '''
+import os
+def setup(**kwargs):
+    os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=1"  # as the real setup: the caller's flags are gone
+'''
+
+# Episodes of 500 policy steps (1000 frames at action repeat 2); returns rise by 10 per episode.
+STAND_IN_MAIN = '''
+import json, os, pathlib, sys
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+from embodied.jax import internal
+args, key = {}, None
+for word in sys.argv[1:]:
+    if word.startswith("--"):
+        key = word
+    else:
+        args[key] = word  # a flag's last value is enough here
+internal.setup()
+logdir = pathlib.Path(args["--logdir"])
+logdir.mkdir(parents=True, exist_ok=True)
+(logdir / "flags.json").write_text(json.dumps({"argv": sys.argv[1:], "XLA_FLAGS": os.environ["XLA_FLAGS"]}))
+repeat, steps = int(args["--env.dmc.repeat"]), int(args["--run.steps"])
+with open(logdir / "scores.jsonl", "a") as f:
+    for episode in range(steps // 500):
+        f.write(json.dumps({"step": (episode + 1) * 500 * repeat, "episode/score": 10.0 * episode}) + "\\n")
+'''
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    root = tmp_path / "dreamerv3"
+    (root / "embodied" / "jax").mkdir(parents=True)
+    (root / "dreamerv3").mkdir()
+    for package in (root / "embodied", root / "embodied" / "jax"):
+        (package / "__init__.py").write_text("")
+    (root / "embodied" / "jax" / "internal.py").write_text(STAND_IN_SETUP)
+    (root / "dreamerv3" / "main.py").write_text(STAND_IN_MAIN)
+    return root
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def run_official(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "official.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+# ----------------------------------------------------------------------------------------------
+# official.py
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_project_settings_become_the_official_flags(tmp_path):
+    config, suite, size = official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--seed", "3", "--action_repeat",
+                                           "2", "--precision", "bf16", "--batch_length", "16"])
+    argv = official.official_flags(config, suite, size, tmp_path)
+    assert flag(argv, "--configs") == "dmc_proprio" and argv[argv.index("--configs") + 2] == "size1m"
+    assert flag(argv, "--task") == "dmc_cheetah_run" and flag(argv, "--seed") == "3"
+    assert flag(argv, "--run.steps") == "1000"  # 2,000 frames at action repeat 2: policy steps there
+    assert flag(argv, "--env.dmc.repeat") == "2"
+    assert float(flag(argv, "--run.train_ratio")) == 256
+    assert flag(argv, "--batch_size") == "16" and flag(argv, "--batch_length") == "16"
+    assert flag(argv, "--report_length") == "16"  # the official report stream fails above batch_length
+    assert flag(argv, "--jax.compute_dtype") == "bfloat16" and flag(argv, "--jax.platform") == "cpu"
+    assert flag(argv, "--run.envs") == "1" and flag(argv, "--replay_context") == "1"
+    cuda, *_ = official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--device", "cuda"])
+    assert flag(official.official_flags(cuda, suite, size, tmp_path), "--jax.platform") == "cuda"
+
+
+@pytest.mark.parametrize("change, words", [
+    (["--configs", "dmc_proprio", "size1m"], "must name recipe2024"),
+    (["--configs", "dmc_proprio", "recipe2024"], "model size"),
+    (["--configs", "recipe2024", "size1m"], "suite preset"),
+    (["--prefill", "2500"], "--prefill 1024 --pretrain 0"),
+    (["--task", "atari_pong"], "one DMC task"),
+    (["--steps", "1e9x"], "Invalid value"),
+])
+def test_settings_the_official_code_cannot_take_are_one_line_and_exit_2(tmp_path, change, words):
+    argv = [*SETTINGS, "--task", "dmc_cheetah_run", "--logdir", str(tmp_path / "run"), *change]
+    if change[0] == "--configs":
+        i = argv.index("--configs")
+        argv = argv[:i] + argv[i + 4:]  # drop the default presets, keep the change's
+    result = run_official("--dry-run", *argv)
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_run_keeps_the_single_thread_flags_and_writes_the_project_form(checkout, tmp_path):
+    logdir = tmp_path / "run"
+    result = run_official("--official", str(checkout), "--python", sys.executable, *SETTINGS,
+                          "--task", "dmc_cheetah_run", "--action_repeat", "2", "--logdir", str(logdir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = json.loads((logdir / "official" / "flags.json").read_text())
+    # The stand-in's setup replaced XLA_FLAGS; the launcher put the single-thread flag back after it.
+    assert "--xla_cpu_multi_thread_eigen=false" in seen["XLA_FLAGS"].split()
+    assert "--xla_gpu_autotune_level=1" in seen["XLA_FLAGS"].split()
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1000, 2000] and [r["train/return"] for r in rows] == [0.0, 10.0]
+    assert [r["train/episodes"] for r in rows] == [1, 2]
+    import plot
+
+    assert plot.task_of(logdir, plot.read_config(logdir)) == "dmc_cheetah_run"
+    steps, values = plot.series(plot.read_metrics(logdir), "train/return")
+    assert list(steps) == [1000, 2000]
+
+
+# ----------------------------------------------------------------------------------------------
+# learning.py
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_dry_run_gives_both_codes_the_same_flags_and_cuda_reaches_both(tmp_path, capsys):
+    code = learning.main(["--tasks", "dmc_cheetah_run,dmc_walker_walk", "--seeds", "0,1", "--out", str(tmp_path),
+                          "--dry-run", "--", *SETTINGS[:-1], "cuda"])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 8  # 2 tasks x 2 seeds x 2 codes
+    project = [line for line in lines if "dreamer.py" in line]
+    officials = [line for line in lines if "official.py" in line]
+    assert len(project) == len(officials) == 4
+    for p, o in zip(project, officials):
+        assert p.split("dreamer.py", 1)[1].split("#")[0].replace("project_s", "CODE_s") == \
+            o.split("--threads 1", 1)[1].split("#")[0].replace("official_s", "CODE_s")
+        assert "--device cuda" in p and "to run" in p
+    result = run_official("--dry-run", *SETTINGS[:-1], "cuda", "--task", "dmc_cheetah_run", "--logdir",
+                          str(tmp_path / "x"))
+    assert result.returncode == 0 and "--jax.platform cuda" in result.stdout
+
+
+def test_runs_are_resumable_a_finished_run_is_not_started_again(checkout, tmp_path, capsys):
+    argv = ["--tasks", "dmc_cheetah_run", "--seeds", "0,1", "--codes", "official", "--official", str(checkout),
+            "--official-python", sys.executable, "--out", str(tmp_path), "--bin", "1000", "--",
+            *SETTINGS, "--action_repeat", "2"]
+    assert learning.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("learning.py: started") == 2 and out.count("finished (exit 0)") == 2
+    for seed in (0, 1):
+        logdir = tmp_path / "dmc_cheetah_run" / f"official_s{seed}"
+        assert json.loads((logdir / "runner.json").read_text())["status"] == "finished"
+    scores = (tmp_path / "dmc_cheetah_run" / "official_s0" / "official" / "scores.jsonl").read_text()
+    assert learning.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "started" not in out and out.count("finished before, not rerun") == 2
+    assert (tmp_path / "dmc_cheetah_run" / "official_s0" / "official" / "scores.jsonl").read_text() == scores
+    report = (tmp_path / "learning.md").read_text()
+    assert "| official | 2 | 0 (0-0) | 10 (10-10) |" in report
+    assert (tmp_path / "learning.png").stat().st_size > 0
+
+
+def test_a_failed_run_is_recorded_and_started_again(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    (broken / "dreamerv3").mkdir(parents=True)
+    (broken / "dreamerv3" / "main.py").write_text("raise SystemExit(3)\n")
+    argv = ["--tasks", "dmc_cheetah_run", "--seeds", "0", "--codes", "official", "--official", str(broken),
+            "--official-python", sys.executable, "--out", str(tmp_path / "out"), "--", *SETTINGS]
+    assert learning.main(argv) == 0
+    logdir = tmp_path / "out" / "dmc_cheetah_run" / "official_s0"
+    assert json.loads((logdir / "runner.json").read_text())["status"] == "failed"
+    assert "Verdict: **incomplete**" in (tmp_path / "out" / "learning.md").read_text()
+    capsys.readouterr()
+    learning.main([*argv[:-len(SETTINGS) - 1], "--dry-run", "--", *SETTINGS])
+    assert "# to run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("project, official_last, official_first, want", [
+    ([50.0, 60.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "matches"),
+    ([20.0, 25.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "below"),
+    ([90.0, 95.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "above"),
+    ([50.0], [8.0, 7.0, 55.0], [8.0, 9.0, 7.0], "no learning to compare"),
+    ([], [40.0], [8.0], "incomplete"),
+])
+def test_the_verdict_rule(project, official_last, official_first, want):
+    assert learning.verdict(project, official_last, official_first) == want
+
+
+def test_quarter_means_split_the_frames_as_the_rule_says():
+    steps = np.array([1000, 5000, 9000, 16000, 20000])
+    values = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert learning.quarter_means(steps, values, 20000) == (1.5, 4.5)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tasks", "dmc_cheetah_run", "--codes", "jax"], "valid: project, official"),
+    (["--tasks", "dmc_cheetah_run", "--seeds", "a"], "--seeds a"),
+    (["--tasks", "dmc_cheetah_run", "--parallel", "0"], "--parallel 0"),
+    (["--tasks", "dmc_cheetah_run"], "--official None"),
+    (["--tasks", "dmc_cheetah_run", "--codes", "project", "--", "--task", "x"], "--task after --"),
+])
+def test_runner_mistakes_are_one_line_and_exit_2(tmp_path, capsys, argv, words):
+    assert learning.main([*argv[:2], "--out", str(tmp_path), *argv[2:]]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
