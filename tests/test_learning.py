@@ -1,10 +1,10 @@
-"""Tests that fail when learning breaks (issue 29): a tiny agent beats random actions on a small task
-(tests/steering.py) with both recipes, the world-model loss falls over the first updates on a fixed
-replay with both recipes and both update modes, and a run stopped and resumed ends where the same run
-done in one go ends.
+"""Tests that fail when learning breaks (issue 29): a tiny agent of the 2024 recipe beats random actions and
+its own untrained actor on a small task (tests/steering.py; v1: see LEARNING_RECIPES), the world-model loss
+falls over the first updates on a fixed replay with both recipes and both update modes, and a run stopped
+and resumed ends where the same run done in one go ends.
 
-Runs go through dreamer.main (or dreamer.Trainer) in this process, on in-process Steering environments
-(envs.make_env replaced), at one torch thread.
+Runs go through dreamer.main in this process, on in-process Steering environments (envs.make_env
+replaced), at one torch thread.
 """
 
 import copy
@@ -133,24 +133,48 @@ def constant_return(action):
     return float(np.mean(returns))
 
 
-# Seeds tried, per recipe: (seed, evaluation return, random actions' return on the same goals, margin).
-TRIED = {"v1": [], "recipe2024": []}
-MARGIN = 5.0  # the least margin over random actions the test accepts; well inside every margin in TRIED
+# The sweep (tests/steering.py, LEARN, each seed's run, then policy_return of its final agent; the random
+# actions' return over GOALS is 4.62, 1000 episodes): per seed, the evaluation return of the trained agent,
+# and that of the same agent with its actor put back to its initial weights (the untrained actor reading
+# the trained world model's features), the second evaluation of the same checkpoint.
+#   recipe2024  seed 0: 15.52 (margin over random 10.90); initial actor 1.71 (trained, re-evaluated: 14.44)
+#               seed 1: 13.05 (margin 8.43); initial actor 2.11 (trained, re-evaluated: 12.73)
+#               seeds 2, 3, 4: their runs had not finished when this was written
+#   v1          seed 0: 17.90 (margin 13.28); initial actor  9.56 (re-evaluated 17.25)
+#               seed 1: 14.00 (margin  9.38); initial actor 14.81 (re-evaluated 14.75)
+#               seed 2: 11.04 (margin  6.42); initial actor 10.94 (re-evaluated 11.19)
+#               seed 3: 11.07 (margin  6.45); initial actor -2.39 (re-evaluated 11.63)
+#               seed 4: 11.20 (margin  6.58); initial actor 13.49 (re-evaluated 10.97)
+# v1 beats random actions on every seed, but on seeds 1, 2 and 4 its untrained actor does as well: in this
+# budget the margin comes from the world model's features, not from the actor's learning (a run with the
+# actor's learning rate at 1e-12, seed 0, scored 13.40, well past random). So v1 is not tested here until
+# a budget or task is found where its actor's own learning shows; the 2024 recipe's actor does.
+LEARNING_RECIPES = ["recipe2024"]
+MARGIN = 5.0  # the least margin the test accepts over random actions and over the initial actor
 SEED = 0  # the one the test runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_a_tiny_agent_beats_random_actions_on_steering_by_a_clear_margin(tmp_path, recipe):
-    """A LEARN run (about 1.5 minutes of one thread) of each recipe on Steering: the evaluation return
-    over GOALS, of the policy's samples, beats that of uniform random actions by more than MARGIN, and
-    so beats every constant action (their best, 0, scores 5.0 and random actions about 4.2, out of an
-    attainable 19.2). TRIED lists the seeds tried, with their margins; this test runs SEED."""
+@pytest.mark.parametrize("recipe", LEARNING_RECIPES)
+def test_a_tiny_agent_beats_random_actions_and_its_untrained_actor_on_steering(tmp_path, recipe):
+    """A LEARN run (about three minutes of one loaded thread; 178 s of CPU time measured on a machine
+    running 15 processes on 2 cores) on Steering: the evaluation return over GOALS, of the policy's
+    samples, beats that of uniform random actions by more than MARGIN, so it beats every constant action
+    (their best, 0, scores 5.0, random actions 4.62, out of an attainable 19.2), and beats that of the
+    same agent with its actor put back to its initial weights by more than MARGIN (the actor learned,
+    not only the world model). The seeds tried and their margins are in the comment above."""
     random_return = policy_return(None, seed=0)
     assert max(constant_return(a) for a in np.linspace(-1, 1, 21)) < random_return + MARGIN
+    config = dreamer.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
+    tools.seed_everything(SEED, False)
+    initial = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config).task_behavior.actor.state_dict()
+    initial = copy.deepcopy(initial)
     agent = learn(recipe, SEED, tmp_path / "run")
     score = policy_return(agent)
     assert score > random_return + MARGIN, (score, random_return)
+    agent.task_behavior.actor.load_state_dict(initial)
+    untrained = policy_return(agent)
+    assert score > untrained + MARGIN, (score, untrained)
 
 
 # -- resume equals straight ------------------------------------------------------------------------------
