@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import signal
 import sys
 import tempfile
@@ -59,13 +60,21 @@ def main(argv=None):
         name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
         print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(e, Interrupted) else 130)
-    except NonFiniteError as e:
+    except (NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except tools.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
         found = tools.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except parallel.WorkerError as e:  # env_failure stop: a worker died, stalled or its environment raised
+        if e.traceback:  # the environment's own error, a bug to read: its traceback, not this process's
+            print(f"Traceback in the worker process:\n{e.traceback.rstrip()}", file=sys.stderr)
+        found = tools.torchrun_rank()
+        where = f"rank {found[0]} of {found[1]}: " if found else ""
+        print(f"error: {where}{str(e).splitlines()[0]}; the last checkpoint is kept, rerun the same command to "
+              "resume", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
         found = tools.torchrun_rank()
@@ -95,9 +104,10 @@ def run(argv):
 
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written. Returns the
-    config (its task spelled canonically, its device one that exists), the logdir, the reason the
-    device fell back to the CPU (or None) and the differences from the run's saved config."""
+    config (its task spelled canonically, its device one that can be used), the logdir, why --device
+    auto chose its device (or None) and the differences from the run's saved config."""
     config = parse(sys.argv[1:] if argv is None else argv)
+    check_text(config)
     check_processes(config)
     logs.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
     if not config.logdir:
@@ -114,6 +124,21 @@ def setup(argv):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     config, device_note = tools.resolve_device(config)
     return config, logdir, device_note, warnings_
+
+
+def check_text(config):
+    """Every text value must be UTF-8: config.yaml, the logs and TensorBoard's writer store them as
+    such (a folder name from bytes that are not UTF-8 reaches Python as lone surrogates)."""
+    for key, value in tools.flatten(config.to_dict()).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raw = os.fsencode(text)
+                raise tools.ConfigError(f"Invalid value {raw!r} for --{key}: not UTF-8 text; give a name in UTF-8 "
+                                        "(config.yaml, the logs and TensorBoard store it as such)") from None
 
 
 def check_processes(config):
@@ -169,8 +194,15 @@ def check_offline_traindir(config):
 
 
 def fail(message):
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {shorten_values(message)}", file=sys.stderr)
     sys.exit(2)
+
+
+def shorten_values(message, keep=60):
+    """A message with every quoted value longer than `keep` characters cut to its start and length:
+    a 100 KB --task is named, not echoed."""
+    return re.sub(r"(?<!\w)'([^']{%d,})'(?!\w)" % (keep + 20),
+                  lambda m: f"'{m.group(1)[:keep]}...' ({len(m.group(1)):,} characters)", message)
 
 
 def usage(topic=None):
@@ -230,6 +262,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             raise tools.ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
         config, resolved = models.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
+        check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
     except (tools.ConfigError, ValueError, ImportError, parallel.WorkerError) as e:
@@ -247,6 +280,12 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)
         except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
             fail(str(e))
+        if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
+            for line in trainer.notes:
+                print(line, flush=True)
+            print(f"Run finished: {config.logdir} completed {trainer.frames} frames of --steps {config.steps}; "
+                  "nothing to do (a larger --steps continues it)", flush=True)
+            return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
                       resources.weights(), resolved, spec), flush=True)
@@ -263,6 +302,41 @@ def run_processes(config, logdir, device_note, changed, ranks):
     finally:
         for env in train_envs + eval_envs:
             env.close()
+
+
+def check_memory(config, obs_space, act_space):
+    """Refuse a model or replay that cannot be allocated, before it is. The model (--units 1e12): its
+    parameters are counted on the meta device, which allocates nothing, and their weights, gradients
+    and two optimizer moments (4 x 4 bytes each) must fit the memory free on the run's device. The
+    replay grows as it fills, so it is refused only when it could never fit: more bytes at capacity
+    than its device has in all (one that does not fit what is free now is the summary's WARNING,
+    storage.cost_lines)."""
+    try:
+        with torch.device("meta"):
+            agent = Dreamer(obs_space, act_space, config.replace(compile=False))
+    except (NotImplementedError, RuntimeError):  # a part that cannot be built on meta: the real build will tell
+        return
+    spec = {**storage.episode_spec(obs_space, act_space), **agent.context.spec}
+    replay_device = config.device if config.replay_device else "cpu"
+    replay, total = storage.step_bytes(spec) * config.dataset_size, storage.total_memory(replay_device)
+    if total is not None and replay > total:
+        raise tools.ConfigError(f"the replay needs {replay / 1e9:,.3g} GB at capacity (--dataset_size "
+                                f"{config.dataset_size:,} steps x {storage.step_bytes(spec):,} bytes) and the "
+                                f"{replay_device} memory is {total / 1e9:.3g} GB in all: lower --dataset_size")
+    params = sum(p.numel() for p in agent.parameters())
+    need, free = 16 * params, storage.available_memory(config.device)
+    if free is None or need <= free:
+        return
+    flat = tools.flatten(config.to_dict())
+    largest = sorted((key for key in MODEL_SIZE_KEYS if key in flat), key=lambda key: -flat[key])[:3]
+    raise tools.ConfigError(f"the model has {params:,} parameters, whose weights, gradients and optimizer moments "
+                            f"need {need / 1e9:,.3g} GB, and {free / 1e9:.3g} GB of {config.device} memory is free: "
+                            f"make it smaller (its largest sizes: {', '.join(f'--{k} {flat[k]}' for k in largest)})")
+
+
+# The keys that set the width of a network (for check_memory's message).
+MODEL_SIZE_KEYS = ("units", "dyn_hidden", "dyn_deter", "dyn_stoch", "dyn_discrete", "encoder.cnn_depth",
+                   "decoder.cnn_depth", "encoder.mlp_units", "decoder.mlp_units", "disag_units")
 
 
 # ==================================================================================================
@@ -398,6 +472,7 @@ class Counters:
         self.updates = 0
         self.episodes = 0
         self.stored_steps = 0  # policy steps in the training episode files when last saved
+        self.completed = False  # the run ended at its --steps (its last evaluation, log and save done)
 
 
 class StoredEpisodes:
@@ -412,6 +487,9 @@ class StoredEpisodes:
             self.traindir = self.traindir / f"rank{rank}"
         self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
         self.skipped = 0
+        # What a kill -9 left in the folders this run writes (the main process alone writes evaldir).
+        own = ([] if config.offline_traindir else [self.traindir]) + ([self.evaldir] if not rank else [])
+        self.recovered = [f"WARNING: {line}" for line in map(storage.recover_episodes, own) if line]
         spec = storage.episode_spec(env.obs_space, env.act_space) if env is not None else None
         # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
         # is the evaluation replay's).
@@ -460,7 +538,7 @@ class Trainer:
         stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env is not None else {})
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
-        self.notes = [stored.note]  # lines for the start-up summary
+        self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
         self.checkpoints = Checkpoints(self, logdir / "latest.pt")
         self.resumed = self.checkpoints.resume()
         # Every rank counts the frames of the rank that stored the most (they differ only after a
@@ -480,6 +558,12 @@ class Trainer:
     @property
     def frames(self):
         return self.counters.policy_steps * self.config.action_repeat
+
+    @property
+    def done(self):
+        """A resumed run that completed its --steps already: a rerun has nothing to do (a larger --steps
+        continues it; `completed` from an earlier, smaller --steps then stays until the new end)."""
+        return self.resumed and self.counters.completed and self.frames >= self.config.steps
 
     @functools.cached_property
     def feed(self):
@@ -518,8 +602,28 @@ class Trainer:
     def collect(self, policy):
         if self.collector is None:  # offline: time advances as if the agent were collecting
             self.counters.policy_steps += max(1, self.config.envs)
-        else:
+            return
+        try:
             self.counters.policy_steps += self.collector.step(policy)
+        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
+            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
+            raise
+
+    def raise_non_finite(self, error, where):
+        """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
+        that non-finite weights caused names their learners, a non-finite environment step says which
+        (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
+        agent = self.agent
+        learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
+        if agent.expl_behavior is not None:
+            learners["exploration"] = agent.expl_behavior
+        bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
+        kept = self.checkpoints.kept()
+        if bad:
+            raise NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
+                                 f"{self.counters.updates}); the run stops without saving ({kept})") from None
+        if isinstance(error, parallel.NonFiniteStep):
+            raise NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
 
     def policy(self, obs, state, agent=None):
         """The training policy of `agent` (the learner's by default): exploring until expl_until."""
@@ -544,7 +648,11 @@ class Trainer:
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
-            metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+            try:
+                metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+            except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
+                self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
+                raise
             context.write_back(self.feed, ids, batch)  # also into the batch sampled ahead
             self.counters.updates += 1
             if phase is not None:
@@ -567,6 +675,7 @@ class Trainer:
                     self.evaluate()
                 self.log()
                 self.loop.close()
+                self.counters.completed = True
                 self.save()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
@@ -688,7 +797,7 @@ class AsyncLoop:
         while not (self.done.is_set() and not self.schedule.can_sample()):
             trainer.maintain()
             if self.error is not None:
-                raise self.error
+                self.raise_error()
             with trainer.stopwatch.time("learner_wait"):
                 if not self.schedule.wait_sample(timeout=0.05):
                     continue
@@ -698,7 +807,13 @@ class AsyncLoop:
             if trainer.counters.updates - self.synced >= config.actor_sync_every:
                 self.sync_actor()
         if self.error is not None:
-            raise self.error
+            self.raise_error()
+
+    def raise_error(self):
+        """The actor thread's error, in the learner's thread; a ValueError as Trainer.collect words it."""
+        if isinstance(self.error, ValueError):  # its weights are the learner's, copied
+            self.trainer.raise_non_finite(self.error, f"in the actor's policy step at frame {self.trainer.frames}")
+        raise self.error
 
     def start_actor(self):
         trainer, config = self.trainer, self.trainer.config
@@ -770,6 +885,8 @@ class Checkpoints:
     (gathered on the main process, which alone writes). Non-finite values are never saved.
     """
 
+    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")  # what save() writes and restore() reads
+
     def __init__(self, trainer, path):
         self.trainer, self.path = trainer, path
         self.saved_frames = None  # frame of the checkpoint on disk
@@ -783,7 +900,11 @@ class Checkpoints:
         """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
         trainer = self.trainer
         config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
-        state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device)
+        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (tools.resume_checkpoint)
+            state, path, notes = tools.resume_checkpoint(self.path, config.device, self.KEYS)
+        ranks.barrier()
+        if not ranks.is_main:
+            state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
         trainer.notes += [f"WARNING: {note}" for note in notes]
         stored = 0 if config.offline_traindir else storage.stored_steps(trainer.traindir)
         if state is None:
@@ -795,6 +916,7 @@ class Checkpoints:
                                      f"{stored * config.action_repeat} frames of episodes: training starts from "
                                      "fresh weights and the frame count continues from them")
             return False
+        networks.split_merged_outputs(trainer.agent, state["agent"])
         tools.check_fits(trainer.agent, state["agent"], path)
         saved_ranks = state.get("world_size", 1)
         if saved_ranks != ranks.world_size:
@@ -1009,7 +1131,12 @@ class RunLog:
         config = trainer.config
         if not trainer.eval_envs:  # another rank than the main one: it waits at the save that follows
             return
-        episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num, trainer.evaldir)
+        try:
+            episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num,
+                                             trainer.evaldir)
+        except ValueError as e:  # as in Trainer.collect
+            trainer.raise_non_finite(e, f"in an evaluation at frame {trainer.frames}")
+            raise
         for episode in episodes:
             trainer.eval_replay.add_episode(storage.strip_logs(episode))
         returns = logs.log_evaluation(self.logger, episodes, config)
@@ -1050,9 +1177,10 @@ class RunLog:
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
     """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
-    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device)
+    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
+    networks.split_merged_outputs(agent, state["agent"])
     tools.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
@@ -1102,7 +1230,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
         f"Task: {config.task}" + (" (training environments per task: "
                                   + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
                                   f"{agent.act_size}, the widest task's)" if per_task else ""),
-        f"Device: {config.device}" + (f" ({device_note}; using the CPU)" if device_note else ""),
+        f"Device: {config.device}" + (f" ({device_note})" if device_note else ""),
         "Compile: " + compile_note(config, resolved.get("compile")),
         "Precision: " + models.precision_note(config),
         "Actor: " + actor_note(config, resolved),
@@ -1163,6 +1291,9 @@ COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parall
 _at_least = lambda low: (lambda v, flat: v >= low)  # noqa: E731
 _positive = lambda v, flat: v > 0  # noqa: E731
 _fraction = lambda v, flat: 0 <= v <= 1  # noqa: E731
+# Every optimizer is adaptive (models.OPTIMIZERS), so an update moves each weight by about the learning
+# rate: above 1 the weights overflow within a few updates.
+_learning_rate = lambda v, flat: 0 < v <= 1  # noqa: E731
 
 
 RANGES = {
@@ -1177,6 +1308,7 @@ RANGES = {
     "prefill": (_at_least(0), "a whole number >= 0"),
     "pretrain": (_at_least(0), "a whole number >= 0"),
     "eval_every": (_at_least(0), "a whole number >= 0"),
+    "env_timeout": (_positive, "a number > 0 (seconds)"),
     "save_every": (_at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
     "chunk_size": (lambda v, flat: isinstance(v, int) and v >= 0, "a whole number >= 0 (0 for whole episodes only)"),
     "eval_episode_num": (_at_least(0), "a whole number >= 0"),
@@ -1193,11 +1325,11 @@ RANGES = {
     "actor_sync_every": (_at_least(1), "a whole number >= 1"),
     "asynchronous": (lambda v, flat: not (v and flat.get("offline_traindir") and not flat.get("eval_only")),
                      "False with --offline_traindir (no environments for an actor to act in)"),
-    "model_lr": (_positive, "a number > 0"),
+    "model_lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "opt_eps": (_positive, "a number > 0"),
-    "actor.lr": (_positive, "a number > 0"),
+    "actor.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "actor.eps": (_positive, "a number > 0"),
-    "critic.lr": (_positive, "a number > 0"),
+    "critic.lr": (_learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
     "critic.eps": (_positive, "a number > 0"),
     "weight_decay": (_at_least(0), "a number >= 0"),
     "grad_clip": (_at_least(0), "a number >= 0 (0 for none)"),
@@ -1251,7 +1383,7 @@ RANGES = {
 
 # Keys that may differ between a run and its resumption without a warning.
 BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-               "parallel", "env_failure", "compile", "replay_device", "video_pred_log", "asynchronous",
+               "parallel", "env_failure", "env_timeout", "compile", "replay_device", "video_pred_log", "asynchronous",
                "actor_sync_every", "ratio_tolerance", "save_every", "chunk_size", "logger", "wandb.project",
                "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
 

@@ -12,6 +12,7 @@ Nothing here knows about the world model.
 import collections
 import datetime
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -72,14 +73,49 @@ class TensorBoardOutput:
         self.writer.close()
 
 
+def set_aside(path, kept, damaged, problem):
+    """A log file with `damaged` lines that cannot be read (the first: `problem`): the file as it was
+    is kept as <name>.damaged (or .damaged.1, ...), `kept` (its readable lines, text) replaces it, and
+    one warning line says so; the run goes on."""
+    backup = path.with_name(path.name + ".damaged")
+    for n in itertools.count(1):
+        if not backup.exists():
+            break
+        backup = path.with_name(f"{path.name}.damaged.{n}")
+    os.replace(path, backup)
+    atomic_write_bytes(path, kept.encode())
+    print(f"warning: {path}: {damaged} damaged line(s) left out ({problem}); the file as it was is kept as "
+          f"{backup.name}", file=sys.stderr, flush=True)
+
+
 class JsonlOutput:
-    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}."""
+    """metrics.jsonl: one JSON object per write, {"step": frames, name: value, ...}. Damaged lines
+    (a kill -9 mid-line, an edit) are left out at the start, the file as it was set aside (set_aside)."""
 
     def __init__(self, logdir, step, config):
         self.path = pathlib.Path(logdir) / "metrics.jsonl"
-        if step and self.path.exists():  # a resumed run drops what came after its checkpoint
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            atomic_write_bytes(self.path, "".join(line + "\n" for line in keep).encode())
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        keep, damaged, problem = [], 0, None
+        for number, line in enumerate(data.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+                if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+                    raise ValueError("not an object with a step")
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                damaged += 1
+                problem = problem or f"line {number}: {str(e)[:80]}"
+                continue
+            if not step or row["step"] <= step:  # a resumed run drops what came after its checkpoint
+                keep.append(line.decode("utf-8"))
+        text = "".join(line + "\n" for line in keep)
+        if damaged:
+            set_aside(self.path, text, damaged, problem)
+        elif text.encode() != data:
+            atomic_write_bytes(self.path, text.encode())
 
     def write(self, step, scalars, videos):
         if scalars:
@@ -91,6 +127,13 @@ class JsonlOutput:
 
     def close(self):
         pass
+
+
+def _csv_step(row):
+    try:
+        return float(row.get("step"))
+    except (TypeError, ValueError):
+        return None
 
 
 class CsvOutput:
@@ -109,21 +152,30 @@ class CsvOutput:
         self.path = pathlib.Path(logdir) / "metrics.csv"
         self.columns, rows = ["step"], []
         if self.path.exists():
-            with self.path.open(newline="") as f:
-                reader = csv.DictReader(f)
-                self.columns = list(reader.fieldnames or ["step"])
-                rows = list(reader)
-            if step:  # a resumed run drops what came after its checkpoint
-                kept = [row for row in rows if float(row["step"]) <= step]
-                if len(kept) < len(rows):
-                    self._rewrite(kept)
+            try:
+                with self.path.open(newline="") as f:
+                    reader = csv.DictReader(f)
+                    self.columns = list(reader.fieldnames or ["step"])
+                    rows = list(reader)
+            except (UnicodeDecodeError, csv.Error) as e:  # not text: nothing of it can be kept
+                set_aside(self.path, "", "all", str(e)[:80])
+                self.columns, rows = ["step"], []
+            good = [row for row in rows if _csv_step(row) is not None]
+            kept = [row for row in good if not step or _csv_step(row) <= step]  # a resumed run drops what came after
+            if len(good) < len(rows):
+                self._rewrite(kept, damaged=len(rows) - len(good))
+            elif len(kept) < len(rows):
+                self._rewrite(kept)
 
-    def _rewrite(self, rows):
+    def _rewrite(self, rows, damaged=0):
         buffer = io.StringIO()
         writer = self.csv.DictWriter(buffer, self.columns, restval="", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        atomic_write_bytes(self.path, buffer.getvalue().encode())
+        if damaged:
+            set_aside(self.path, buffer.getvalue(), damaged, "rows without a numeric step")
+        else:
+            atomic_write_bytes(self.path, buffer.getvalue().encode())
 
     def write(self, step, scalars, videos):
         if not scalars:
@@ -319,8 +371,9 @@ class Progress:
     def line(self, frames):
         """The plain progress line: frames, rates, last returns and ETA."""
         fps = self.stats.get("fps", 0.0)
-        eta = datetime.timedelta(seconds=int((self.total - frames) / fps)) if fps > 0 else "?"
-        parts = [f"frames {frames}/{self.total} ({100 * frames / max(self.total, 1):.1f}%)"]
+        eta = datetime.timedelta(seconds=int(max(self.total - frames, 0) / fps)) if fps > 0 else "?"
+        done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
+        parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
         return " | ".join(parts + [f"ETA {eta}"])
 

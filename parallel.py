@@ -23,10 +23,10 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
-import warnings
 import weakref
 from multiprocessing import shared_memory
 
@@ -37,6 +37,9 @@ import envs
 
 # Observation arrays of at least this many bytes come back through shared memory, not the pipe.
 SHARED_MIN_BYTES = 1024
+# Seconds a worker gets at least to build its environment: a spawned process imports torch and the
+# suite, and some simulators take minutes to start, far longer than a step (Parallel's `timeout`).
+BUILD_SECONDS = 600
 
 
 class Damy:
@@ -50,8 +53,8 @@ class Damy:
 
     in_process = True  # it steps when asked, in the caller's process: parallel.Collector asks it last
 
-    def __init__(self, ctor, index=0, own_thread=False):
-        self.index = index
+    def __init__(self, ctor, index=0, own_thread=False, name=None):
+        self.index, self.name = index, name
         self.step_seconds, self.step_count = 0.0, 0  # time inside env.step, on whichever thread runs it
         self._thread = concurrent.futures.ThreadPoolExecutor(1, f"env{index}") if own_thread else None
         self.env = self._call(ctor)()
@@ -90,18 +93,27 @@ class Damy:
             self._thread.shutdown()
 
 
+def env_label(index, name=None):
+    """How messages name an environment: `Environment 3 (dmc_walker_walk)`."""
+    return f"Environment {index}" + (f" ({name})" if name else "")
+
+
 class WorkerError(RuntimeError):
     """An environment worker failed: it raised, died or stopped answering.
 
     `index` is the environment's index; `traceback` the worker's traceback if the environment raised.
     """
 
-    def __init__(self, index, message, worker_traceback=None):
+    def __init__(self, index, message, worker_traceback=None, name=None):
         self.index, self.traceback = index, worker_traceback
-        text = f"Environment {index}: {message}"
+        text = f"{env_label(index, name)}: {message}"
         if worker_traceback:
             text += f"\nTraceback in the worker process:\n{worker_traceback}"
         super().__init__(text)
+
+
+class NonFiniteStep(ValueError):
+    """An environment returned a NaN or infinite observation or reward: storing it would poison the replay."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,7 +237,7 @@ class _Worker:
             # Only the sentinel (or a hang-up of the pipe): do not read, as a child of the environment
             # may still hold the pipe's other end open and the read would block.
             if not ready:
-                raise _Lost(f"did not answer within {timeout} s")
+                raise _Lost(f"did not answer within {timeout} s (env_timeout)")
             raise _Lost(_exit_reason(self.process))
         try:
             return pickle.loads(self.conn.recv_bytes())
@@ -271,16 +283,19 @@ class Parallel:
     cloudpickle; construction does not wait for it, so many environments start at the same time.
     Observation arrays of at least `SHARED_MIN_BYTES` come back through shared memory.
 
-    A worker that dies or does not answer within `timeout` seconds is replaced by a fresh one when
-    `restart` is true: a pending `step` then returns the new episode's first observation as
-    `(obs, 0.0, False, {"restarted": True})`. Otherwise, and whenever the environment raises, the
-    call raises `WorkerError`, and so does every later call.
+    A worker that dies, or does not answer a step or reset within `timeout` seconds (a stopped or
+    hung simulator; building the environment gets at least BUILD_SECONDS), is replaced by a fresh
+    one when `restart` is true, with a one-line warning on stderr: a pending `step` then returns the
+    new episode's first observation as `(obs, 0.0, False, {"restarted": True})`. Otherwise, and
+    whenever the environment raises, the call raises `WorkerError`, and so does every later call.
+    `name` (the task) goes into these messages beside `index`.
     """
 
     in_process = False  # a request returns at once: parallel.Collector sends these first
 
-    def __init__(self, ctor, index=0, restart=True, timeout=600, shared_memory=True):
+    def __init__(self, ctor, index=0, restart=True, timeout=600, shared_memory=True, name=None):
         self.index, self.restart, self.timeout, self.shared_memory = index, restart, timeout, shared_memory
+        self.name = name
         self._context = multiprocessing.get_context("spawn")
         self._payload = cloudpickle.dumps(ctor)
         self._spaces = None
@@ -331,9 +346,9 @@ class Parallel:
 
     def _connect(self):
         """Take the spaces the worker sends once its environment exists; give it the shared buffers."""
-        status, result = self._worker.receive(self.timeout)
+        status, result = self._worker.receive(max(self.timeout, BUILD_SECONDS))
         if status == "error":
-            raise WorkerError(self.index, "building the environment raised", result)
+            raise WorkerError(self.index, "building the environment raised", result, self.name)
         if self._spaces is None:
             self._spaces = result
             if self.shared_memory:
@@ -378,15 +393,16 @@ class Parallel:
             reason = str(e)
         else:
             if status == "error":
-                self._fail(WorkerError(self.index, f"{method}() raised in the worker", result))
+                self._fail(WorkerError(self.index, f"{method}() raised in the worker", result, self.name))
             return self._unpack(method, result)
         self._worker.process.kill()  # it may only be stuck; either way it is done
         self._worker.stop()
         if not self.restart:
             self._fail(f"the worker process {reason}; not restarted (restart=False, env_failure: stop)")
         lost = "dropping its episode" if method == "step" else "between episodes, nothing to drop"
-        warnings.warn(f"Environment {self.index}: the worker process {reason}; restarting it ({lost}).",
-                      RuntimeWarning, stacklevel=3)
+        # One line, without the source location a warnings.warn would add.
+        print(f"warning: {env_label(self.index, self.name)}: the worker process {reason}; restarting it ({lost}).",
+              file=sys.stderr, flush=True)
         obs = self._restart()
         return obs if method == "reset" else (obs, 0.0, False, {"restarted": True})
 
@@ -403,12 +419,12 @@ class Parallel:
         except WorkerError as e:
             self._fail(e)
         if status == "error":
-            self._fail(WorkerError(self.index, "reset() raised in the restarted worker", result))
+            self._fail(WorkerError(self.index, "reset() raised in the restarted worker", result, self.name))
         return self._unpack("reset", result)
 
     def _fail(self, error):
         """Remember the error, so every later call raises it too, stop the worker and raise."""
-        self._failure = error if isinstance(error, WorkerError) else WorkerError(self.index, error)
+        self._failure = error if isinstance(error, WorkerError) else WorkerError(self.index, error, name=self.name)
         self._worker.stop()
         raise self._failure
 
@@ -549,6 +565,13 @@ class Collector:
         step = {k: np.asarray(v) for k, v in obs.items()}
         step["action"] = np.asarray(action, np.float32)
         step["reward"] = np.float32(reward)
+        bad = [k for k, v in step.items()
+               if v.dtype.kind == "f" and k != "action" and not k.startswith("log_") and not np.isfinite(v).all()]
+        if bad:  # refused before it reaches a file or the replay, where every update would sample it
+            env = self.envs[index]
+            label = env_label(getattr(env, "index", index), getattr(env, "name", None))
+            raise NonFiniteStep(f"{label} returned a non-finite {', '.join(bad)} at step "
+                                f"{len(self.episodes[index])} of its episode; it was not stored")
         step["task"] = np.int32(self.tasks[index])
         if self.context is not None:
             step.update({k: v[0] for k, v in self.context.entries(None, 1).items()})
@@ -578,6 +601,8 @@ class Collector:
         self._reset([i for i, obs in enumerate(self.obs) if obs is None])
         batch = {k: np.stack([obs[k] for obs in self.obs]) for k in self.obs[0] if not k.startswith("log_")}
         actions, self.state = policy(batch, self.state)
+        if not np.isfinite(actions).all():
+            raise NonFiniteStep("the policy gave non-finite actions")
         if self.context is not None:
             self._store_latents(self.state)
         # All step at once: the workers' requests go out before in-process environments step here.
@@ -647,8 +672,9 @@ def make_envs(config, mode, count, first=0, weights=None, processes=None):
     in_worker = [bool(config.parallel) if processes is None else processes[tasks[task]] for task in assignment]
     # The asynchronous actor steps the training environments from a thread of its own.
     own_thread = config.asynchronous and mode == "train"
-    handles = [Parallel(ctor, i, restart=config.env_failure == "restart") if process
-               else Damy(ctor, i, own_thread) for i, (ctor, process) in enumerate(zip(ctors, in_worker))]
+    handles = [Parallel(ctor, i, restart=config.env_failure == "restart", timeout=config.env_timeout,
+                        name=tasks[task]) if process else Damy(ctor, i, own_thread, tasks[task])
+               for i, (ctor, process, task) in enumerate(zip(ctors, in_worker, assignment))]
     try:
         wait_started([env for env in handles if isinstance(env, Parallel)], mode)
         return handles if len(tasks) == 1 else wrap_tasks(config, tasks, handles, assignment)
@@ -665,8 +691,6 @@ def wait_started(workers, mode, interactive=None):
     is about the slowest one's."""
     if not workers:
         return
-    import sys
-
     import logs
 
     interactive = sys.stdout.isatty() if interactive is None else interactive

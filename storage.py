@@ -13,6 +13,7 @@ Nothing here knows about the world model or the environments.
 import collections
 import datetime
 import io
+import os
 import pathlib
 import sys
 import threading
@@ -21,7 +22,7 @@ import uuid
 import numpy as np
 import torch
 
-from tools import WriteError, atomic_write_bytes, total_updates
+from tools import WriteError, atomic_write_bytes, sync_folder, temp_files, total_updates
 
 # ==================================================================================================
 # Episode files: whole, and in chunks while an episode runs
@@ -95,17 +96,27 @@ def episode_files(directory):
     return sorted(items, key=lambda item: item[0], reverse=True)
 
 
-def read_episode(files):
-    """One episode from its file, or from its chunks (concatenated; a missing chunk ends it there, so
-    that no two steps that did not follow each other become neighbours)."""
+def read_episode(files, on_bad_chunk=None):
+    """One episode from its file, or from its chunks (concatenated; a missing or unreadable chunk ends
+    it there, so that no two steps that did not follow each other become neighbours, and the chunks
+    before it stay). An unreadable chunk after the first is reported to `on_bad_chunk(path, problem,
+    later)`, `later` the number of chunks after it that are dropped with it; an unreadable first
+    chunk or whole file raises."""
     parts = []
     for position, path in enumerate(files):
         _, index, _ = parse_episode_file(path)
         if index is not None and index != position:
             break
-        with path.open("rb") as f:
-            data = np.load(f)
-            parts.append({k: data[k] for k in data.keys()})
+        try:
+            with path.open("rb") as f:
+                data = np.load(f)
+                parts.append({k: data[k] for k in data.keys()})
+        except Exception as e:  # noqa: BLE001 - any unreadable chunk ends the episode there
+            if not parts:
+                raise
+            if on_bad_chunk is not None:
+                on_bad_chunk(path, f"unreadable ({e})", len(files) - position - 1)
+            break
     if not parts:
         raise ValueError("its first chunk is missing")
     if len(parts) == 1:
@@ -199,6 +210,20 @@ def available_memory(device="cpu"):
     return None
 
 
+def total_memory(device="cpu"):
+    """Bytes of memory the device has in all (a CUDA device's, else the host's MemTotal; None where not
+    known): more than this can never be allocated, however much is freed."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[1] if torch.cuda.is_available() else None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 LATENT = "latent_"  # prefix of the policy latents stored with each step (models.ReplayContext)
 
 
@@ -240,6 +265,14 @@ def episode_problem(episode, spec):
     return None
 
 
+def non_finite_problem(episode):
+    """Why an episode's values cannot be trained on (NaN or infinite floats: every update that samples
+    them would turn the weights non-finite), or None."""
+    bad = [key for key, value in episode.items() if not key.startswith("log_") and np.asarray(value).dtype.kind == "f"
+           and not np.isfinite(value).all()]
+    return f"non-finite values in {', '.join(map(repr, bad))}" if bad else None
+
+
 def skip_warning(filename, problem):
     """One line per skipped episode file."""
     print(f"warning: skipping episode {filename}: {problem}", file=sys.stderr, flush=True)
@@ -258,14 +291,21 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
     if not directory.exists():
         return []
     episodes, total = [], 0
+
+    def bad_chunk(path, problem, later):
+        on_skip(f"{path}" + (f" (and its {later} later chunks)" if later else ""),
+                f"{problem}; the episode's chunks before it are kept")
+
     for _, files in episode_files(directory):
         try:
-            episode = read_episode(files)
+            episode = read_episode(files, bad_chunk)
             if spec is not None:
                 episode = fit_latents(episode, spec)
             problem = episode_problem(episode, spec) if spec is not None else None
             if problem is None and "reward" not in episode:
                 problem = "missing key 'reward'"
+            if problem is None:
+                problem = non_finite_problem(episode)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
             problem = f"unreadable ({e})"
         if problem is not None:
@@ -279,6 +319,51 @@ def load_episodes(directory, limit=None, spec=None, on_skip=skip_warning):
             episode["task"] = np.zeros(length, np.int32)
         episodes.append(episode)
     return episodes[::-1]
+
+
+def recover_episodes(directory):
+    """After a kill -9: the temporary files that episode writes left in `directory` (atomic_write_bytes)
+    become their file where complete (every array loads) and that file does not exist yet, and are
+    deleted otherwise; the chunks of an episode whose whole file exists (a kill before they were
+    removed) are deleted too. Only the run that holds the logdir may call it. Returns one line
+    saying what it did, or None when there was nothing to do."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return None
+    promoted, removed, size = 0, 0, 0
+    for temp, target in temp_files(directory):
+        if target.suffix != ".npz":
+            continue
+        complete = False
+        if not target.exists():
+            try:
+                with np.load(temp) as data:
+                    for key in data.files:
+                        data[key]  # noqa: B018 - reads and checks every array
+                complete = True
+            except Exception:  # noqa: BLE001 - cut short by the kill
+                pass
+        if complete:
+            os.replace(temp, target)
+            promoted += 1
+        else:
+            size += temp.stat().st_size
+            temp.unlink()
+            removed += 1
+    whole = {parse_episode_file(path)[0] for path in directory.glob("*.npz") if parse_episode_file(path)[1] is None}
+    stale = [path for path in directory.glob("*.npz") if parse_episode_file(path)[1] is not None
+             and parse_episode_file(path)[0] in whole]
+    for path in stale:
+        size += path.stat().st_size
+        path.unlink()
+    if not (promoted or removed or stale):
+        return None
+    sync_folder(directory)
+    done = [f"{promoted} complete temporary file(s) became their episode file"] if promoted else []
+    done += [f"removed {removed} incomplete temporary file(s)"] if removed else []
+    done += [f"removed {len(stale)} chunk(s) of episodes stored whole"] if stale else []
+    freed = f" ({size / 1e6:.3g} MB freed)" if size else ""
+    return f"Recovered episode files in {directory} after a kill: {', '.join(done)}{freed}"
 
 
 def stored_steps(directory):
@@ -457,23 +542,32 @@ def strip_logs(episode):
     return {k: v for k, v in episode.items() if not k.startswith("log_")}
 
 
+def replay_steps(config):
+    """Steps the training replay will hold by the end of the run: one per policy step (steps /
+    action_repeat, each process its own under torchrun) up to its capacity, dataset_size."""
+    return min(config.dataset_size, -(-config.steps // config.action_repeat))
+
+
 def cost_lines(config, spec, free=None):
-    """What the run will cost: its updates, the replay's memory once it holds dataset_size steps
-    (the device's with replay_device), the episode files' disk per million steps; a WARNING when the
-    replay cannot fit in the memory free now (`free`, bytes; by default available_memory())."""
+    """What the run will cost: its updates, the replay's memory once it holds what the run will
+    store (replay_steps; the device's with replay_device) and at capacity, the episode files' disk
+    per million steps; a WARNING when what the run will store cannot fit in the memory free now
+    (`free`, bytes; by default available_memory())."""
     step = step_bytes(spec)
-    replay = step * config.dataset_size
+    steps = replay_steps(config)
+    replay, capacity = step * steps, step * config.dataset_size
     device = config.device if config.replay_device else "cpu"
     free = available_memory(device) if free is None else free
     where = f"{torch.device(device).type.upper()} memory" if config.replay_device else "memory"
     gb = lambda n: f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"  # noqa: E731
-    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} at "
-             f"capacity ({config.dataset_size:,} steps x {step:,} bytes); episode files at most {gb(step * 1e6)} per "
-             "million steps on disk (compressed .npz, images usually less)"]
+    lines = [f"Cost: {total_updates(config):,} updates to {config.steps:,} frames; replay {gb(replay)} of {where} by "
+             f"the end ({steps:,} steps x {step:,} bytes; at its capacity of {config.dataset_size:,} steps "
+             f"{gb(capacity)}); episode files at most {gb(step * 1e6)} per million steps on disk (compressed .npz, "
+             "images usually less)"]
     if free is not None and replay > free:
         fix = "lower --dataset_size" + (", or --replay_device False" if config.replay_device else "")
-        lines.append(f"WARNING: the replay needs {gb(replay)} at capacity and {gb(free)} of {where} is free; the run "
-                     f"will run out of memory as the replay fills: {fix}")
+        lines.append(f"WARNING: the replay will hold {gb(replay)} by the end ({steps:,} steps) and {gb(free)} of "
+                     f"{where} is free; the run will run out of memory as the replay fills: {fix}")
     return lines
 
 

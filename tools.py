@@ -21,6 +21,7 @@ import datetime
 import difflib
 import errno
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -30,6 +31,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -266,20 +268,82 @@ class WriteError(OSError):
         return f"{'free space' if full else 'make it writable'} and rerun to resume"
 
 
+def fault_point(name, path):
+    """Called at each step of a checkpoint or episode write (`name`: "half written", "written",
+    "previous kept", "replaced"), with the file being written: tests set `fault_hook` to kill the
+    process there (tests/test_faults.py), as a kill -9 at that instant would."""
+    if fault_hook is not None:
+        fault_hook(name, pathlib.Path(path))
+
+
+fault_hook = None
+
+
+def temp_path(path):
+    """The temporary file a write of `path` goes through: `.<name>.<8 hex digits>.tmp` beside it,
+    a name `temp_files` finds again after a kill."""
+    path = pathlib.Path(path)
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{8}\.tmp$")
+
+
+def temp_files(folder, name=None):
+    """The temporary files of `temp_path` in `folder` (those of files named `name`, or of any),
+    with the file each was to become: [(temp, target)], oldest first."""
+    found = []
+    for temp in pathlib.Path(folder).glob(".*.tmp"):
+        match = TEMP_PATTERN.match(temp.name)
+        target = match and match["name"]
+        while target and TEMP_PATTERN.match(target):  # a temp of a temp: how saves before issue 32 wrote
+            target = TEMP_PATTERN.match(target)["name"]
+        if target and (name is None or target == name) and temp.is_file():
+            found.append((temp, temp.with_name(target)))
+    return sorted(found, key=lambda item: item[0].stat().st_mtime)
+
+
+def write_synced(path, data):
+    """Write `data` to `path` and flush it to the disk (fault points "half written", "written")."""
+    with pathlib.Path(path).open("wb") as f:
+        half = len(data) // 2
+        f.write(data[:half])
+        f.flush()
+        fault_point("half written", path)
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+    fault_point("written", path)
+
+
+def sync_folder(folder):
+    """Make the renames in `folder` durable (a power cut after a rename otherwise may undo it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename itself is done
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path, data):
-    """Write `data` to `path` through a temporary file and a rename, so readers never see half.
+    """Write `data` to `path` through a temporary file (`temp_path`) and a rename, so readers never
+    see half; a kill -9 may leave the temporary file, which the next start clears (episode files:
+    storage.recover_episodes; the logdir's: `resume_checkpoint`).
 
     On failure the temporary file is removed (a full disk gets its space back) and WriteError
     names `path`; `path` itself is untouched.
     """
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_path(path)
     try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         os.replace(tmp, path)
+        fault_point("replaced", path)
     except BaseException as e:  # Ctrl-C in a single process too: no temporary file stays behind
         try:
             tmp.unlink(missing_ok=True)
@@ -291,7 +355,11 @@ def atomic_write_bytes(path, data):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: unreadable, unsafe to unpickle, or with non-finite values."""
+    """A checkpoint that cannot be used: unreadable, unsafe to unpickle (`unsafe`), or with non-finite values."""
+
+    def __init__(self, message, unsafe=False):
+        super().__init__(message)
+        self.unsafe = unsafe
 
 
 def tensors(tree):
@@ -318,22 +386,28 @@ def previous_path(path):
 
 
 def save_checkpoint(path, state):
-    """Write `state` to `path` atomically and keep the checkpoint it replaces as previous.pt.
-
-    A kill between the two renames leaves only previous.pt, which `load_checkpoint_or_previous`
-    falls back to. Non-finite weights are refused: they would replace the last good checkpoint.
+    """Write `state` to `path` and keep the checkpoint it replaces as previous.pt, so that a kill -9
+    at any instant leaves the newest complete checkpoint findable: the state goes to a temporary
+    file (`temp_path`, flushed to disk), then latest.pt becomes previous.pt and the temporary file
+    latest.pt. A kill before the first rename leaves latest.pt as it was, after it only previous.pt
+    and the complete temporary file; `resume_checkpoint` promotes that one at the next start.
+    Non-finite weights are refused: they would replace the last good checkpoint.
     """
     if not all_finite(state):
         raise CheckpointError("the state to save holds non-finite values")
     path = pathlib.Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_path(path)
     try:
-        atomic_write_bytes(tmp, buffer.getvalue())
-    except WriteError as e:  # named as the checkpoint, not its temporary file; nothing was replaced
-        raise WriteError(path, e) from None
-    # Ctrl-C or SIGTERM between the renames would leave only previous.pt; hold them until done.
+        write_synced(tmp, buffer.getbuffer())
+    except BaseException as e:  # a full disk gets its space back; Ctrl-C leaves nothing either
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # named as the checkpoint, not its temporary file; nothing was replaced
+            raise WriteError(path, e) from None
+        raise
+    # Ctrl-C or SIGTERM between the renames would leave latest.pt in the temporary file; hold them until done.
     signals = {signal.SIGINT, signal.SIGTERM}
     blocked = threading.current_thread() is threading.main_thread()
     if blocked:
@@ -341,7 +415,10 @@ def save_checkpoint(path, state):
     try:
         if path.exists():
             os.replace(path, previous_path(path))
+            fault_point("previous kept", path)
         os.replace(tmp, path)
+        sync_folder(path.parent)
+        fault_point("replaced", path)
     except OSError as e:  # renames need no space; a folder turned read-only can refuse them
         raise WriteError(path, e) from None
     finally:
@@ -349,28 +426,103 @@ def save_checkpoint(path, state):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
-def load_checkpoint(path, device="cpu"):
+def _torch_reason(error):
+    """The line of a torch.load error that says what is wrong, without torch's advice around it
+    (which suggests weights_only=False, the one thing never to do with a refused file)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    advice = ("Weights only load failed", "(1)", "(2)", "In PyTorch", "Re-running", "Check the documentation",
+              "Please file an issue", "Please use", "This file can still be loaded")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(advice)] or lines
+    reason = lines[0] if lines else type(error).__name__
+    return reason.split(". ")[0].rstrip(".")[:200]  # its first sentence: what follows is advice again
+
+
+def pickle_globals(path):
+    """(the globals, as module.name, that the pickles of a checkpoint file ask to call or build,
+    whether every pickle was read to its end), found with pickletools, which runs nothing: the
+    .pkl members of a torch.save zip archive, or the file as one plain pickle."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                streams = [archive.read(name) for name in archive.namelist() if name.endswith(".pkl")]
+        else:
+            streams = [pathlib.Path(path).read_bytes()]
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return [], False
+    found, complete = [], bool(streams)
+    for data in streams:
+        strings, memo = [], {}
+        try:
+            for opcode, arg, _ in pickletools.genops(data):
+                name = opcode.name
+                if name in ("GLOBAL", "INST"):
+                    found.append(arg.replace(" ", "."))
+                elif name == "STACK_GLOBAL":
+                    found.append(".".join(map(str, strings[-2:])))
+                elif name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if name == "MEMOIZE" else arg] = strings[-1] if strings else None
+                elif name in ("GET", "BINGET", "LONG_BINGET"):
+                    strings.append(memo.get(arg))
+                elif isinstance(arg, str):
+                    strings.append(arg)
+        except Exception:  # noqa: BLE001 - a damaged or cut pickle: what was read so far is what it asked for
+            complete = False
+    return found, complete
+
+
+def _unsafe_globals(found):
+    """The globals among `found` that torch's weights-only loading does not allow."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        allowed = set(_get_allowed_globals())
+    except ImportError:  # another torch: its own message still decides (load_checkpoint)
+        allowed = {name for name in found if name.startswith(("torch.", "collections.OrderedDict"))}
+    return sorted({name for name in found if name not in allowed})
+
+
+def load_checkpoint(path, device="cpu", keys=()):
     """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
 
-    Raises CheckpointError, with the reason in one line, for anything else.
+    Raises CheckpointError with the reason in one line: `unsafe` set for a file that asks to call
+    or build anything else (os.system, exec, eval, any class: someone made it so, and it is never
+    skipped), unset for a damaged one (empty, cut short, not a checkpoint, or a state without one
+    of `keys`).
     """
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch names what it refused after "WeightsUnpickler error:"; "Unsupported global" means
-        # the file asks to call or build something, anything else is a damaged file.
-        reason = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
-        if "global" not in reason.lower():
-            raise CheckpointError(f"cannot read {path}: not a checkpoint ({reason})") from None
-        raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
-                              f"which could run code ({reason})") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {str(e).strip().splitlines()[0][:200]}") from None
+        reason = _torch_reason(e)
+        found, complete = pickle_globals(path)
+        unsafe = _unsafe_globals(found)
+        if unsafe or "global" in reason.lower():  # either sign: torch's wording changes between versions
+            asks = f" ({', '.join(unsafe)})" if unsafe else ""
+            raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain "
+                                  f"data{asks}, which could run code; torch: {reason}", unsafe=True) from None
+        what = "cut short or damaged" if not complete else "not a checkpoint"
+        raise CheckpointError(f"cannot read {path}: {what} ({reason})") from None
+    except EOFError:
+        raise CheckpointError(f"cannot read {path}: empty or cut short (it ends early)") from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_torch_reason(e)}") from None
+    missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"cannot read {path}: incomplete, without {', '.join(map(repr, missing))}")
+    return state
 
 
-def load_checkpoint_or_previous(path, device="cpu"):
+def load_checkpoint_or_previous(path, device="cpu", keys=()):
     """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
-    unreadable or non-finite; (None, None, notes) when neither exists.
+    damaged (load_checkpoint, with `keys`) or non-finite; (None, None, notes) when neither exists.
+    Reads only: a run beside training (--eval_only) uses it too.
 
     A checkpoint that is unsafe to unpickle is an error, never skipped: someone changed the file.
     """
@@ -381,9 +533,9 @@ def load_checkpoint_or_previous(path, device="cpu"):
                 notes.append(f"{path} is missing")
             continue
         try:
-            state = load_checkpoint(candidate, device)
+            state = load_checkpoint(candidate, device, keys)
         except CheckpointError as e:
-            if "refusing" in str(e):
+            if e.unsafe:
                 raise
             notes.append(str(e))
             continue
@@ -396,6 +548,71 @@ def load_checkpoint_or_previous(path, device="cpu"):
     if notes:
         raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
     return None, None, notes
+
+
+def recover_checkpoint(path, device="cpu", keys=()):
+    """After a kill -9 in `save_checkpoint`: promote the newest complete temporary file of `path`
+    (verified by loading it) to `path`, keeping the one it replaces as previous.pt as a save would,
+    and delete every other temporary file of `path`. Only the run that holds the logdir may call
+    it. Returns one line saying what it did, or None when there was nothing to do."""
+    path = pathlib.Path(path)
+    temps = [temp for temp, _ in temp_files(path.parent, path.name)]
+    if not temps:
+        return None
+    promoted, removed, size = None, 0, 0
+    for temp in reversed(temps):  # newest first: the first complete one is the save the kill cut short
+        if promoted is None:
+            try:
+                state = load_checkpoint(temp, device, keys)
+            except CheckpointError:
+                state = None
+            if state is not None and all_finite(state):
+                # Complete means written after latest.pt (the save writes it first): it replaces latest.pt.
+                if path.exists():
+                    os.replace(path, previous_path(path))
+                os.replace(temp, path)
+                promoted = temp
+                continue
+        size += temp.stat().st_size
+        temp.unlink()
+        removed += 1
+    sync_folder(path.parent)
+    done = [f"promoted the complete {promoted.name} to {path.name}"] if promoted else []
+    if removed:
+        done.append(f"removed {removed} incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
+    return f"Recovered from a kill during a checkpoint write: {' and '.join(done)}"
+
+
+def remove_temp_files(folder, but=()):
+    """Delete the temporary files (`temp_files`) in `folder` of every file but those named in `but`:
+    what a kill -9 left of rewrites such as config.yaml or metrics.jsonl, whose old version the
+    rename never replaced. Only the run that holds the logdir may call it. Returns one line, or None."""
+    found = [(temp, target) for temp, target in temp_files(folder) if target.name not in but]
+    for temp, _ in found:
+        temp.unlink()
+    if not found:
+        return None
+    names = sorted({target.name for _, target in found})
+    return (f"Removed {len(found)} temporary file(s) a kill left in {folder} (of {', '.join(names)}; each is as it "
+            "was before)")
+
+
+def resume_checkpoint(path, device="cpu", keys=()):
+    """What a training run resumes from: `recover_checkpoint` (and `remove_temp_files` for the other
+    files beside it), then `load_checkpoint_or_previous`. A damaged latest.pt is kept aside as
+    latest.pt.damaged, so that the next save does not make it previous.pt in place of the good one.
+    Returns (state, path it came from, notes)."""
+    path = pathlib.Path(path)
+    recovered = [line for line in (recover_checkpoint(path, device, keys),
+                                   remove_temp_files(path.parent, but=(path.name,))) if line]
+    state, used, notes = load_checkpoint_or_previous(path, device, keys)
+    if used is not None and used != path and path.exists():
+        damaged = path.with_name(path.name + ".damaged")
+        os.replace(path, damaged)
+        notes.append(f"kept the damaged {path.name} aside as {damaged.name}")
+    if notes:
+        notes = ["; ".join(notes)]  # one line
+    return state, used, recovered + notes
 
 
 class LogdirBusy(RuntimeError):
@@ -844,15 +1061,55 @@ def kept_random_state():
             torch.cuda.set_rng_state_all(states[3])
 
 
+# The NVIDIA driver each CUDA major version of a torch build needs (NVIDIA's CUDA release notes:
+# 13.x from R580, 12.x from R525 with minor-version compatibility).
+CUDA_DRIVERS = {"13": "R580", "12": "R525"}
+CUDA_FIX = ("install a torch built for an older CUDA (README, Install: e.g. --index-url "
+            "https://download.pytorch.org/whl/cu126) or update the driver, or run with --device cpu")
+
+
+def cuda_problem(device):
+    """Why `device` (a torch.device of type cuda) cannot be used here, in torch's own words with
+    the fix; None when it can."""
+    built = torch.version.cuda
+    if built is None:
+        return (f"this torch ({torch.__version__}) is a CPU build, without CUDA; install a CUDA one "
+                "(README, Install: python3 -m pip install --force-reinstall torch==2.13.0) or run with --device cpu")
+    driver = CUDA_DRIVERS.get(built.split(".")[0], f"for CUDA {built}")
+    needs = f"torch {torch.__version__} is built for CUDA {built} (NVIDIA driver {driver} or newer)"
+    try:
+        torch.cuda.init()  # raises with torch's reason: no driver, a driver too old, no GPU
+    except (RuntimeError, AssertionError) as e:
+        reason = " ".join(str(e).split()).split(". ")[0].rstrip(".") or type(e).__name__
+        return f"{reason}; {needs}; {CUDA_FIX}"
+    count = torch.cuda.device_count()
+    if not count:
+        return f"no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); {needs}"
+    if device.index is not None and device.index >= count:
+        return f"there is no GPU {device.index}: this machine has {count} (cuda:0 to cuda:{count - 1})"
+    return None
+
+
 def resolve_device(config):
-    """Fall back to the CPU where CUDA is absent. Returns the config (a new one when it falls back)
-    and the reason, for the start-up summary (None when the device is there)."""
+    """Settle --device: `auto` is cuda:0 where CUDA can be used and the CPU otherwise; an explicit
+    cuda that cannot be used is a ConfigError naming torch's reason and the fix (a run meant for a
+    GPU never runs on the CPU unasked). Returns the config and, for `auto`, the reason for its
+    choice (the start-up summary prints it); None for an explicit device."""
+    if config.device == "auto":
+        problem = cuda_problem(torch.device("cuda", 0))
+        if problem is None:
+            return config.replace(device="cuda:0"), f"auto: CUDA is usable ({torch.cuda.get_device_name(0)})"
+        return config.replace(device="cpu"), f"auto: no usable GPU, so the CPU: {problem.split('; ')[0]}"
     try:
         device = torch.device(config.device)
     except RuntimeError:
-        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: cpu, cuda, cuda:<index>") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return config.replace(device="cpu"), "CUDA is not available"
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: auto, cpu, cuda, "
+                          "cuda:<index>") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"Invalid value '{config.device}' for --device; valid: auto, cpu, cuda, cuda:<index>")
+    problem = cuda_problem(device) if device.type == "cuda" else None
+    if problem is not None:
+        raise ConfigError(f"--device {config.device} cannot be used: {problem}")
     return config, None
 
 
@@ -996,11 +1253,18 @@ def parse_bool(text):
     return lookup[text.lower()]
 
 
+# The largest magnitude a float key may take: every value ends up in float32 arithmetic, where a
+# larger one is inf (and inf or NaN make no sense for any key).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def parse_number(text, like):
     try:
         value = float(text)
     except ValueError:
         raise ValueError("expected a number") from None
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"expected a finite number (at most {FLOAT32_MAX:.3g} in magnitude: float32 holds no more)")
     if isinstance(like, int) and value.is_integer() and "." not in text and "e-" not in text.lower():
         return int(value)
     return value

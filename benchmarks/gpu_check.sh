@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One GPU check, at most 8 minutes on one CUDA GPU (every step has a time cap and the whole script a
-# deadline; a step that does not fit is reported as skipped, never silently dropped):
-#   1. the suite's CUDA-relevant tests on cuda (DREAMER_TEST_DEVICE=cuda): tests/test_compile.py,
+# deadline; a step that does not fit is reported as skipped, never silently dropped). It stops in its
+# first seconds, with torch's reason and the fix, when there is no usable GPU (a CPU wheel, no driver,
+# a driver too old for the wheel's CUDA). Most important first, so that a short visit measures it:
+#   1. benchmarks/train_speed.py for dmc_proprio recipe2024 size1m, the whole update at bf16;
+#   2. the suite's CUDA-relevant tests on cuda (DREAMER_TEST_DEVICE=cuda): tests/test_compile.py,
 #      tests/test_replay_device.py, and tests/test_whole_update.py with Inductor and CUDA graphs
 #      (DREAMER_TEST_BACKEND=inductor);
-#   2. a short dmc_vision training run with --compile update --precision bf16 --replay_device True on cuda;
-#   3. benchmarks/train_speed.py for dmc_proprio recipe2024 size1m (compile off / step by step / whole
-#      update x precision 32 / bf16 / 16) and dmc_vision at the default size (off and whole update, bf16):
+#   3. a short dmc_vision training run with --compile update --precision bf16 --replay_device True on cuda;
+#   4. the rest of the speed matrix: size1m whole update at 32 / 16, dmc_vision at the default size
+#      (whole update and off, bf16), size1m step by step and off x 32 / bf16 / 16:
 #      s/update, updates/s, kernel launches per update and peak memory;
-# then one table. Outputs go to $GPU_CHECK_OUT (default /tmp/gpu_check). The learning check (recipe2024
-# size1m on dmc_cartpole_balance to 40K frames against the official curve) is the second script,
+# then one table, whose status column says which rows ran, failed, timed out or were skipped. Outputs
+# go to $GPU_CHECK_OUT (default /tmp/gpu_check). The learning check (recipe2024 size1m on
+# dmc_cartpole_balance to 40K frames against the official curve) is the second script,
 # benchmarks/gpu_learning_check.sh, of the same size. If a compiled row fails, --compile False is the
 # fallback for training.
 #
@@ -50,43 +54,54 @@ run() {  # run NAME CAP COMMAND...: at most CAP seconds, never past the deadline
 if [ -z "${GPU_CHECK_PRINT_ONLY:-}" ]; then
   rm -rf "$out"
   mkdir -p "$out"
-  python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: CUDA is not available')"
+  # tools.cuda_problem: torch's own reason and the fix (the check dreamer.py --device cuda makes)
+  python3 -c "import sys, tools; p = tools.cuda_problem(tools.torch.device('cuda', 0)); \
+sys.exit(f'gpu_check.sh: no usable GPU: {p}' if p else 0)"
   python3 -c "import torch; p = torch.cuda.get_device_properties(0); print(f'GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
   date -u +"date: %Y-%m-%d %H:%M UTC"
 fi
 
 export MUJOCO_GL="${MUJOCO_GL:-egl}"
+configs_of() {  # the presets behind a speed row's name
+  case $1 in proprio_size1m) echo "dmc_proprio recipe2024 size1m" ;; *) echo "dmc_vision" ;; esac
+}
+rows() {  # the speed matrix, most important first: preset compile precision
+  echo "proprio_size1m update bf16"
+  echo "proprio_size1m update 32"
+  echo "proprio_size1m update 16"
+  echo "vision update bf16"
+  echo "vision False bf16"
+  for compile in True False; do
+    for precision in bf16 32 16; do echo "proprio_size1m $compile $precision"; done
+  done
+}
+speed() {  # speed PRESET COMPILE PRECISION: one row of the matrix
+  local cap
+  cap=$(case $2 in update) echo 60 ;; True) echo 40 ;; *) echo 20 ;; esac)
+  # shellcheck disable=SC2046 - the presets are separate words
+  run "speed_$1_compile$2_fp$3" "$cap" python3 benchmarks/train_speed.py \
+    --configs $(configs_of "$1") --task dmc_walker_walk --device cuda --compile "$2" \
+    --precision "$3" --updates 5 --warmup 2
+}
+read -r preset compile precision < <(rows | head -1)
+speed "$preset" "$compile" "$precision"
 run tests 150 env DREAMER_TEST_DEVICE=cuda DREAMER_TEST_BACKEND=inductor python3 -m pytest -q \
   tests/test_compile.py tests/test_replay_device.py tests/test_whole_update.py
 run train_vision 120 python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --device cuda \
   --compile update --precision bf16 --replay_device True --envs 1 --steps 3000 --prefill 1000 --pretrain 10 --eval_every 100000 \
   --eval_episode_num 1 --log_every 1000 --logdir "$out/train_vision_logdir"
-configs_of() {  # the presets behind a speed row's name
-  case $1 in proprio_size1m) echo "dmc_proprio recipe2024 size1m" ;; *) echo "dmc_vision" ;; esac
-}
-rows() {  # the speed matrix: preset compile precision
-  for compile in False True update; do
-    for precision in 32 bf16 16; do echo "proprio_size1m $compile $precision"; done
-  done
-  echo "vision False bf16"
-  echo "vision update bf16"
-}
 while read -r preset compile precision; do
-  cap=$(case $compile in update) echo 60 ;; True) echo 40 ;; *) echo 20 ;; esac)
-  # shellcheck disable=SC2046 - the presets are separate words
-  run "speed_${preset}_compile${compile}_fp${precision}" "$cap" python3 benchmarks/train_speed.py \
-    --configs $(configs_of "$preset") --task dmc_walker_walk --device cuda --compile "$compile" \
-    --precision "$precision" --updates 5 --warmup 2
-done < <(rows)
+  speed "$preset" "$compile" "$precision"
+done < <(rows | tail -n +2)
 if [ -n "${GPU_CHECK_PRINT_ONLY:-}" ]; then exit 0; fi
 
 echo
 echo "| step | result |"
 echo "|---|---|"
-echo "| tests (compile, replay_device, whole update) on cuda | ${status[tests]}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
+echo "| tests (compile, replay_device, whole update) on cuda | ${status[tests]:-not run}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
 fps=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(f\"{[r for r in rows if 'perf/fps' in r][-1]['perf/fps']:.1f}\")" \
   "$out/train_vision_logdir/metrics.jsonl" 2>/dev/null || echo "?")
-echo "| dmc_vision run (compile update, precision bf16, replay on the GPU, train ratio 512) | ${status[train_vision]}; last logged env frames/s: $fps |"
+echo "| dmc_vision run (compile update, precision bf16, replay on the GPU, train ratio 512) | ${status[train_vision]:-not run}; last logged env frames/s: $fps |"
 echo
 echo "| preset | compile | precision | s/update | updates/s | kernel launches/update | peak memory | status |"
 echo "|---|---|---|---|---|---|---|---|"
@@ -97,5 +112,5 @@ while read -r preset compile precision; do
   rate=$(grep -Eo '^updates_per_s=[0-9.]+' "$file" 2>/dev/null | cut -d= -f2 || echo "-")
   launches=$(grep -Eo 'kernel launches per update: [0-9]+' "$file" 2>/dev/null | grep -Eo '[0-9]+$' || echo "-")
   memory=$(grep -Eo 'peak memory: [0-9]+ MB' "$file" 2>/dev/null | grep -Eo '[0-9]+ MB' || echo "-")
-  echo "| $preset | $compile | $precision | $seconds | $rate | $launches | $memory | ${status[$name]} |"
+  echo "| $preset | $compile | $precision | $seconds | $rate | $launches | $memory | ${status[$name]:-not run} |"
 done < <(rows)

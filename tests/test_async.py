@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,8 +186,8 @@ def test_async_run_logs_the_ratio_utilisation_waits_and_policy_lag(async_run):
     assert state["counters"]["policy_steps"] == state["schedules"]["train"]["inserts"] == 100
 
 
-def test_async_run_resumes_its_counters_and_limiter(async_run):
-    logdir, _ = async_run
+def test_async_run_resumes_its_counters_and_limiter(async_run, tmp_path):
+    logdir = shutil.copytree(async_run[0], tmp_path / "run")  # the module's run stays as it was for the other tests
     saved = torch.load(logdir / "latest.pt", weights_only=False)
     seen, train = {}, dreamer.Trainer.train
     gc.collect()  # the first run's logdir lock goes with its last reference (main's frame, in a cycle)
@@ -266,15 +267,24 @@ def test_kill_9_loses_at_most_unfinished_episodes_and_the_run_resumes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
     command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(tmp_path), "--envs", "2",
                "--eval_episode_num", "0"]
-    process = subprocess.Popen([*command, "--steps", "100000"], stdout=subprocess.DEVNULL,
+    process = subprocess.Popen([*command, "--save_every", "1", "--steps", "100000"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env=env)
-    wait_for(lambda: len(list((tmp_path / "train_eps").glob("*.npz"))) >= 3)
+    wait_for(lambda: len(list((tmp_path / "train_eps").glob("*.npz"))) >= 3 and (tmp_path / "latest.pt").exists())
     process.send_signal(signal.SIGKILL)
     process.wait()
+    stored = 0
     for path in (tmp_path / "train_eps").glob("*.npz"):
         with np.load(path) as episode:
             assert episode["is_last"][-1] and episode["is_first"][0]  # only whole episodes are on disk
+            stored += len(episode["reward"]) - 1
+    state, _, _ = tools.load_checkpoint_or_previous(tmp_path / "latest.pt")
+    counters = state["counters"]
+    # The checkpoint's frame, plus the steps of the episodes stored after it (action repeat 2).
+    frame = 2 * (counters["policy_steps"] + stored - counters["stored_steps"])
     result = subprocess.run([*command, "--steps", "400"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Run: resumed from frame {frame}" in result.stdout and frame > 0, result.stdout[-3000:]
+    assert f"Episodes: {stored} replay steps loaded" in result.stdout, result.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 400
+    assert torch.load(tmp_path / "latest.pt", weights_only=False)["counters"]["updates"] > counters["updates"]

@@ -61,6 +61,16 @@ def test_train_speed_rejects_a_bad_key_with_one_line():
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_gpu_check_stops_in_its_first_seconds_without_a_usable_gpu(tmp_path):
+    """No GPU visible (CUDA_VISIBLE_DEVICES empty; here also a CPU wheel): one line with torch's reason,
+    a failing exit status, and none of its steps started."""
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", GPU_CHECK_OUT=str(tmp_path)))
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("gpu_check.sh: no usable GPU: "), out.stderr
+    assert "== " not in out.stdout and not list(tmp_path.iterdir())
+
+
 def test_gpu_check_script_parses_and_uses_only_existing_flags():
     """benchmarks/gpu_check.sh cannot run without a GPU; its shell parses, and every command it would
     run (printed by GPU_CHECK_PRINT_ONLY) names existing files, flags and config keys."""

@@ -74,7 +74,7 @@ def test_real_presets_and_verbatim_commands_parse():
     assert (config.envs, config.parallel, config.steps, config.encoder.cnn_keys) == (4, True, 1_000_000, "image")
     config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--logdir",
                             "./logdir/dmc_walker_walk"])
-    assert config.parallel is False and config.device == "cuda:0" and config.compile == "auto"
+    assert config.parallel is False and config.device == "auto" and config.compile == "auto"
     config = dreamer.parse(["--configs", "dmc_proprio", "--actor.lr", "1e-4", "--encoder.cnn_depth", "48"])
     assert config.actor.lr == pytest.approx(1e-4) and config.encoder.cnn_depth == 48
     assert config.encoder.mlp_keys == ".*" and config.steps == 500_000
@@ -122,12 +122,84 @@ def test_missing_logdir_is_a_clear_error():
     assert "Missing --logdir" in result.stderr
 
 
-def test_cuda_absent_falls_back_to_cpu(monkeypatch):
-    monkeypatch.setattr(tools.torch.cuda, "is_available", lambda: False)
-    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:0"]))
-    assert note == "CUDA is not available" and config.device == "cpu"
+# Stand-ins for torch on machines whose CUDA cannot be used, each raising torch's own words
+# (torch.cuda._lazy_init's messages): (torch.version.cuda, what torch.cuda.init raises, device count).
+TOO_OLD = ("The NVIDIA driver on your system is too old (found version 12020). Please update your GPU driver by "
+           "downloading and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx")
+NO_DRIVER = ("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and installed a "
+             "driver from http://www.nvidia.com/Download/index.aspx")
+UNUSABLE = {
+    "cpu wheel": (None, None, 0, "is a CPU build, without CUDA", "--force-reinstall torch==2.13.0"),
+    "driver too old": ("13.0", RuntimeError(TOO_OLD), 0, "The NVIDIA driver on your system is too old (found "
+                       "version 12020); torch", "NVIDIA driver R580 or newer"),
+    "no driver": ("13.0", RuntimeError(NO_DRIVER), 0, "Found no NVIDIA driver on your system;", "whl/cu126"),
+    "no gpu": ("12.6", RuntimeError("No CUDA GPUs are available"), 0, "No CUDA GPUs are available;",
+               "NVIDIA driver R525 or newer"),
+}
+
+
+def stand_in_cuda(monkeypatch, built, raises, count, name="Stand-in GPU"):
+    def init():
+        if raises is not None:
+            raise raises
+        if built is None:
+            raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(tools.torch.version, "cuda", built)
+    monkeypatch.setattr(tools.torch.cuda, "init", init)
+    monkeypatch.setattr(tools.torch.cuda, "is_available", lambda: raises is None and built is not None and count > 0)
+    monkeypatch.setattr(tools.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(tools.torch.cuda, "get_device_name", lambda index=0: name)
+
+
+@pytest.mark.parametrize("case", sorted(UNUSABLE))
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_an_explicit_cuda_that_cannot_be_used_stops_with_torchs_reason(monkeypatch, capsys, tmp_path, case, device):
+    built, raises, count, reason, fix = UNUSABLE[case]
+    stand_in_cuda(monkeypatch, built, raises, count)
+    logdir = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        dreamer.main(["--configs", "debug", "--device", device, "--logdir", str(logdir)])
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --device {device} cannot be used: "), lines
+    assert reason in lines[0] and fix in lines[0] and "--device cpu" in lines[0], lines[0]
+    assert not logdir.exists()
+
+
+def test_a_gpu_index_past_the_last_is_an_error(monkeypatch):
+    stand_in_cuda(monkeypatch, "13.0", None, 2)
+    with pytest.raises(tools.ConfigError, match=r"there is no GPU 2: this machine has 2 \(cuda:0 to cuda:1\)"):
+        tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:2"]))
+    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:1"]))
+    assert config.device == "cuda:1" and note is None
+
+
+@pytest.mark.parametrize("case", sorted(UNUSABLE))
+def test_auto_falls_back_to_the_cpu_and_says_why(monkeypatch, case):
+    built, raises, count, reason, _ = UNUSABLE[case]
+    stand_in_cuda(monkeypatch, built, raises, count)
+    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    assert config.device == "cpu" and note.startswith("auto: no usable GPU, so the CPU: ")
+    assert reason.rstrip(";").removesuffix("; torch") in note, note
+
+
+def test_auto_is_the_default_and_takes_a_usable_gpu(monkeypatch):
+    assert dreamer.parse([]).device == "auto"
+    stand_in_cuda(monkeypatch, "13.0", None, 1)
+    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    assert config.device == "cuda:0" and note == "auto: CUDA is usable (Stand-in GPU)"
     config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cpu"]))
-    assert note is None and config.device == "cpu"
+    assert config.device == "cpu" and note is None
+
+
+def test_the_summary_says_why_auto_chose_the_cpu(tmp_path, monkeypatch, capsys):
+    stand_in_cuda(monkeypatch, *UNUSABLE["driver too old"][:3])
+    dreamer.main(["--configs", "debug", "--device", "auto", "--steps", "0", "--prefill", "0", "--pretrain", "0",
+                  "--eval_episode_num", "0", "--logdir", str(tmp_path / "run")])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Device: "))
+    assert line == ("Device: cpu (auto: no usable GPU, so the CPU: The NVIDIA driver on your system is too old "
+                    "(found version 12020))"), line
 
 
 def test_verbatim_parallel_vision_command_starts(tmp_path):

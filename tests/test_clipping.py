@@ -99,15 +99,32 @@ def test_the_optimizer_step_clips_per_part(spaces):
     assert any(not torch.allclose(p.grad, g) for p, g in zip(params, grads)), "nothing was clipped"
 
 
-def test_a_checkpoint_with_merged_output_layers_loads_into_the_parts():
-    torch.manual_seed(3)
-    merged = torch.nn.Linear(7, 5)
-    split = networks.SplitLinear(7, [2, 3])
-    split.load_state_dict({"weight": merged.weight.detach().clone(), "bias": merged.bias.detach().clone()})
-    x = torch.randn(4, 7)
-    torch.testing.assert_close(split(x), merged(x))
-    assert torch.equal(split.weight, merged.weight)
-    assert sorted(split.state_dict()) == ["parts.0.bias", "parts.0.weight", "parts.1.bias", "parts.1.weight"]
+def merged_state(agent):
+    """The agent's state as a checkpoint written before the split held it: one weight and bias per
+    SplitLinear, its parts stacked."""
+    state = agent.state_dict()
+    for name, layer in agent.named_modules():
+        if isinstance(layer, networks.SplitLinear):
+            for kind in ("weight", "bias"):
+                parts = [state.pop(f"{name}.parts.{i}.{kind}") for i in range(len(layer.sizes))]
+                state[f"{name}.{kind}"] = torch.cat(parts, 0)
+    return state
+
+
+def test_a_checkpoint_with_merged_output_layers_fits_and_loads_into_the_parts(spaces):
+    agent = make_agent(spaces)
+    old = merged_state(agent)
+    with pytest.raises(tools.ConfigError, match="does not fit"):
+        tools.check_fits(agent, dict(old), "latest.pt")  # what resuming such a run met before the cut
+    fresh = make_agent(spaces)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # differs from agent everywhere
+    assert networks.split_merged_outputs(fresh, old) == 2  # the decoder's vector keys and the actor
+    tools.check_fits(fresh, old, "latest.pt")
+    fresh.load_state_dict(old)
+    for (name, a), b in zip(agent.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("winit", ["fan_avg", "fan_in"])

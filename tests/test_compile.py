@@ -123,12 +123,9 @@ def clipped(grads, clip):
 
 @pytest.fixture(scope="module", params=["dynamics", "reinforce"])
 def updates(request):
-    # Inductor draws random numbers its own way; this makes it use eager's generator, so that all
-    # updates see the same latent and action samples.
-    torch._inductor.config.fallback_random = True
+    """One eager update and the plain reference's, from the same weights and samples."""
     flags = ("--imag_gradient", request.param)
     eager, batch = make_agent_and_batch(False, *flags)
-    compiled, _ = make_agent_and_batch(True, *flags)
     reference, _ = make_agent_and_batch(False, *flags)
     # The reward and critic heads start at zero, which would hide any error in the gradients
     # through their outputs; give them (and the slow critic, apart) some weights.
@@ -137,16 +134,28 @@ def updates(request):
     with torch.no_grad():
         for layer in (eager.wm.heads["reward"].out, behavior.critic.out, behavior.slow_critic.out):
             layer.weight.copy_(0.1 * torch.randn(layer.weight.shape, generator=gen))
-    compiled.load_state_dict(copy.deepcopy(eager.state_dict()))
-    reference.load_state_dict(copy.deepcopy(eager.state_dict()))
-    results = {}
-    for name, agent in (("eager", eager), ("compiled", compiled)):
-        torch.manual_seed(1)  # the same latent and action samples in every update
-        metrics = agent.train_step(batch)
-        results[name] = (agent, {k: float(v) for k, v in metrics.items()})
+    initial = copy.deepcopy(eager.state_dict())
+    reference.load_state_dict(copy.deepcopy(initial))
+    torch.manual_seed(1)  # the same latent and action samples in every update
+    metrics = eager.train_step(batch)
+    results = {"eager": (eager, {k: float(v) for k, v in metrics.items()}), "flags": flags, "initial": initial,
+               "batch": batch}
     torch.manual_seed(1)
     results["reference"] = reference_update(reference, batch)
-    yield results
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled(updates):
+    """The same update with compile True (Inductor), from the same weights and samples."""
+    # Inductor draws random numbers its own way; this makes it use eager's generator, so that all
+    # updates see the same latent and action samples.
+    torch._inductor.config.fallback_random = True
+    agent, _ = make_agent_and_batch(True, *updates["flags"])
+    agent.load_state_dict(copy.deepcopy(updates["initial"]))
+    torch.manual_seed(1)
+    metrics = agent.train_step(updates["batch"])
+    yield agent, {k: float(v) for k, v in metrics.items()}
     torch._inductor.config.fallback_random = False
 
 
@@ -155,14 +164,8 @@ def grads_of(agent):
     return {k: [p.grad for p in m.parameters()] for k, m in modules.items()}
 
 
-@pytest.mark.parametrize("name", ["eager", "compiled"])
-def test_update_matches_plain_reference_update(updates, name):
-    """The optimised update (one critic pass for both losses, reused actor outputs, gradients only
-    where needed, with compile off and on) gives the reference's losses and gradients: to 1e-5
-    relative eagerly, to 1e-3 compiled (Inductor fuses and reorders float32 arithmetic)."""
-    agent, metrics = updates[name]
-    want_losses, want_grads = updates["reference"]
-    rtol = 1e-5 if name == "eager" else 1e-3
+def assert_matches_reference(agent, metrics, reference, rtol, name):
+    want_losses, want_grads = reference
     for key, want in want_losses.items():
         assert metrics[key] == pytest.approx(want, rel=rtol, abs=1e-7), key
     for group, grads in grads_of(agent).items():
@@ -173,8 +176,21 @@ def test_update_matches_plain_reference_update(updates, name):
                                        msg=f"{name}: {group} parameter {i}")
 
 
-def test_compile_true_runs_compiled_code(updates):
-    agent, _ = updates["compiled"]
+def test_update_matches_plain_reference_update(updates):
+    """The optimised update (one critic pass for both losses, reused actor outputs, gradients only
+    where needed) gives the reference's losses and gradients, to 1e-5 relative."""
+    assert_matches_reference(*updates["eager"], updates["reference"], 1e-5, "eager")
+
+
+@pytest.mark.slow  # Inductor compiles the update in the compiled fixture
+def test_compiled_update_matches_plain_reference_update(updates, compiled):
+    """The same with compile on, to 1e-3 relative (Inductor fuses and reorders float32 arithmetic)."""
+    assert_matches_reference(*compiled, updates["reference"], 1e-3, "compiled")
+
+
+@pytest.mark.slow  # Inductor compiles the update in the compiled fixture
+def test_compile_true_runs_compiled_code(updates, compiled):
+    agent, _ = compiled
     assert agent.compiled, "compile True compiled nothing"
     assert all(not fn.failed for fn in agent.compiled)
     assert agent.wm.rssm.obs_step.calls > 0 and agent.wm.rssm.img_step.calls > 0
@@ -186,9 +202,10 @@ def test_compile_true_runs_compiled_code(updates):
     assert "task_behavior.critic.mlp" not in names
 
 
-def test_compiled_update_matches_eager_update(updates):
+@pytest.mark.slow  # Inductor compiles the update in the compiled fixture
+def test_compiled_update_matches_eager_update(updates, compiled):
     """Same losses and the same parameters after one update, to float32 tolerance."""
-    (eager, eager_metrics), (compiled, compiled_metrics) = updates["eager"], updates["compiled"]
+    (eager, eager_metrics), (compiled, compiled_metrics) = updates["eager"], compiled
     assert eager_metrics.keys() == compiled_metrics.keys()
     for key in ("model_loss", "kl_loss", "image_loss", "reward_loss", "actor_loss", "critic_loss",
                 "model_grad_norm", "actor_grad_norm", "critic_grad_norm"):
@@ -225,10 +242,17 @@ def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
 
 
 def test_agent_runs_on_the_chosen_device(updates):
-    for agent, _ in (updates["eager"], updates["compiled"]):
-        assert {p.device.type for p in agent.parameters()} == {torch.device(DEVICE).type}
+    agent, _ = updates["eager"]
+    assert {p.device.type for p in agent.parameters()} == {torch.device(DEVICE).type}
 
 
+@pytest.mark.slow  # Inductor compiles the update in the compiled fixture
+def test_the_compiled_agent_runs_on_the_chosen_device(compiled):
+    agent, _ = compiled
+    assert {p.device.type for p in agent.parameters()} == {torch.device(DEVICE).type}
+
+
+@pytest.mark.slow  # Inductor compiles every network of the agent
 def test_compiled_networks_never_hit_the_recompile_limit():
     """Every MLP shares one forward, seen with and without gradients and at several input shapes;
     past dynamo's recompile limit the rest would run eagerly, with only a log line to say so."""

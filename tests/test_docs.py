@@ -1,6 +1,8 @@
 """What a user reads before a run: --help from configs.yaml, the start-up summary's costs, the
 one-line environment status, `debug` on any task, and the README files' commands, flags and links."""
 
+import json
+import math
 import os
 import pathlib
 import re
@@ -80,6 +82,7 @@ def test_total_updates_equal_a_hand_computation(preset, expected):
     assert tools.total_updates(config) == expected
 
 
+@pytest.mark.slow  # steps the environment 2,050 times
 def test_replay_memory_estimate_matches_a_filled_replay():
     config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
     env = envs.make_env(config, "train", 0)
@@ -96,15 +99,36 @@ def test_replay_memory_estimate_matches_a_filled_replay():
     assert replay.nbytes == pytest.approx(estimate, rel=0.1)
     lines = storage.cost_lines(config, spec, free=10**12)
     assert len(lines) == 1 and lines[0].startswith("Cost: 48 updates to 600 frames; replay ")
-    assert f"({config.dataset_size:,} steps x {storage.step_bytes(spec):,} bytes)" in lines[0]
+    step = storage.step_bytes(spec)  # 600 frames at action repeat 2: 300 of the 2,000 steps
+    assert f"by the end (300 steps x {step:,} bytes; at its capacity of 2,000 steps " in lines[0]
+
+
+@pytest.mark.parametrize("preset, frames, stored", [
+    ("dmc_vision", 24_000, 12_000),  # a short run stores what it collects, far below its capacity
+    ("atari100k", 400_000, 100_000),
+    ("dmc_vision", 4_000_000, 1_000_000),  # a long one fills it
+])
+def test_the_cost_line_counts_what_the_run_will_store(preset, frames, stored):
+    config = dreamer.parse(["--configs", preset, "--steps", str(frames)])
+    spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
+    step = storage.step_bytes(spec)
+    replay = stored * step
+    lines = storage.cost_lines(config, spec, free=replay + 1)  # room for what it stores: no warning
+    assert len(lines) == 1, lines
+    gb = f"{replay / 1e9:.3g} GB" if replay >= 1e9 else f"{replay / 1e6:.3g} MB"
+    assert f"replay {gb} of memory by the end ({stored:,} steps x {step:,} bytes; at its capacity of " \
+           f"1,000,000 steps {step * 1e6 / 1e9:.3g} GB)" in lines[0], lines[0]
+    assert storage.cost_lines(config, spec, free=replay - 1)[1].startswith(f"WARNING: the replay will hold {gb} ")
 
 
 def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
     config = dreamer.parse(["--configs", "dmc_vision"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
     lines = storage.cost_lines(config, spec, free=2 * 10**9)
-    assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 12.3 GB of memory at capacity")
-    assert lines[1].startswith("WARNING: the replay needs 12.3 GB at capacity and 2 GB of memory is free")
+    assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 6.16 GB of memory by the end "
+                               "(500,000 steps x 12,312 bytes; at its capacity of 1,000,000 steps 12.3 GB)")
+    assert lines[1].startswith("WARNING: the replay will hold 6.16 GB by the end (500,000 steps) and 2 GB of "
+                               "memory is free")
     assert "--dataset_size" in lines[1]
 
 
@@ -129,6 +153,9 @@ def test_debug_runs_on_vector_and_image_tasks(tmp_path, task):
                      "--eval_episode_num", "0")
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "latest.pt").exists()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 60 and rows[-1]["perf/updates"] > 0  # it trained
+    assert any(math.isfinite(row.get("world_model/model_loss", math.nan)) for row in rows), rows[-1]
 
 
 def test_seed_out_of_range_is_one_line():
@@ -178,6 +205,17 @@ def dreamer_args(command):
         if word.endswith(";"):
             break
     return args
+
+
+def test_ci_runs_the_readmes_install_and_whole_suite():
+    """.ci/run runs the README's install line and its Tests block's command, the whole suite (no -m)."""
+    readme = (ROOT / "README.md").read_text()
+    commands = fenced_commands(readme)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m")]
+    assert ci == ["python3 -m pip install -r requirements.txt", "python3 -m pytest -q"]
+    assert all(command in commands for command in ci)
+    tests = fenced_commands(readme.split("\n## Tests\n")[1].split("\n## ")[0])
+    assert tests == ["python3 -m pytest -q", 'python3 -m pytest -q -m "not slow"']
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -226,6 +226,7 @@ def test_random_covers_discrete_action_space():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an in-process training run each
 @pytest.mark.parametrize("behavior, until, explore_steps", [
     ("random", 20, 10), ("random", 0, None), ("greedy", 20, 0)])
 def test_expl_until_switches_to_the_task_policy(behavior, until, explore_steps, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ per-task logging and evaluation, the task of every stored step, resume, --parall
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -308,8 +309,8 @@ def test_every_stored_step_records_its_task_and_acts_in_the_widest_space(run):
     assert f"task: {TASKS}" in config  # the names the indices refer to
 
 
-def test_eval_only_reports_each_task(run):
-    logdir, _ = run
+def test_eval_only_reports_each_task(run, tmp_path):
+    logdir = shutil.copytree(run[0], tmp_path / "run")  # the module's run stays as it was for the other tests
     result = train(logdir, "--envs", "3", "--eval_only")
     returns = json.loads((logdir / "eval_only" / "returns.json").read_text())
     assert len(returns["returns"]) == 2 and "Evaluated 2 episodes" in result.stdout
@@ -317,8 +318,8 @@ def test_eval_only_reports_each_task(run):
         "dmc_cartpole_balance": 1, "dmc_reacher_easy": 1}
 
 
-def test_multitask_run_resumes_asynchronous_with_parallel_workers(run):
-    logdir, _ = run
+def test_multitask_run_resumes_asynchronous_with_parallel_workers(run, tmp_path):
+    logdir = shutil.copytree(run[0], tmp_path / "run")
     # Two workers (fewer processes to start), one episode each: 80 frames.
     result = train(logdir, "--envs", "2", "--steps", "320", "--parallel", "--asynchronous",
                    "--eval_episode_num", "0")

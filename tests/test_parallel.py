@@ -74,13 +74,13 @@ class FakeEnv:
 
 @pytest.fixture(autouse=True)
 def fail_if_hung():
-    """A hang is a failure too: an alarm interrupts any test still running after 60 s."""
+    """A hang is a failure too: an alarm interrupts any test still running after 120 s."""
 
     def interrupt(signum, frame):
-        raise TimeoutError("the test hung for 60 s")
+        raise TimeoutError("the test hung for 120 s")
 
     previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(60)
+    signal.alarm(120)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
@@ -123,7 +123,7 @@ def run_all(envs, actions):
 
 @pytest.mark.parametrize("shared_memory", [True, False])
 def test_parallel_matches_damy_with_more_envs_than_cores(shared_memory):
-    count = os.cpu_count() + 1
+    count = min(os.cpu_count(), 4) + 1  # more than the cores of a small machine; bounded on a large one
     ctors = [functools.partial(FakeEnv, seed=i) for i in range(count)]
     workers = [parallel.Parallel(ctor, i, shared_memory=shared_memory) for i, ctor in enumerate(ctors)]
     local = [parallel.Damy(ctor, i) for i, ctor in enumerate(ctors)]
@@ -183,7 +183,7 @@ def test_constructor_exception_names_index_and_carries_traceback():
     assert_gone([pid])
 
 
-def test_killed_worker_is_restarted_and_the_collector_drops_the_episode():
+def test_killed_worker_is_restarted_and_the_collector_drops_the_episode(capsys):
 
     env_list = [parallel.Parallel(functools.partial(FakeEnv, seed=i, length=50), i, restart=True, timeout=30)
                 for i in range(2)]
@@ -196,9 +196,11 @@ def test_killed_worker_is_restarted_and_the_collector_drops_the_episode():
         assert [len(steps) for steps in collector.episodes] == [4, 4]
         os.kill(old, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.warns(RuntimeWarning, match="Environment 1: the worker process died from signal SIGKILL"):
-            collector.step(policy)
-        assert time.monotonic() - start < 5
+        collector.step(policy)
+        assert time.monotonic() - start < 20  # from the death, not the 30 s answer timeout
+        lines = capsys.readouterr().err.strip().splitlines()  # one line, with no path or source line
+        assert lines == ["warning: Environment 1: the worker process died from signal SIGKILL; restarting it "
+                         "(dropping its episode)."], lines
         assert collector.dropped == 1
         assert [len(steps) for steps in collector.episodes] == [5, 1]  # only the fresh episode's start
         assert env_list[1].pid != old
@@ -220,27 +222,53 @@ def test_killed_worker_without_restart_raises_cleanly():
     start = time.monotonic()
     with pytest.raises(parallel.WorkerError, match="Environment 2: the worker process died from signal SIGKILL"):
         env.step(np.zeros(2))()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # from the death, not the 30 s answer timeout
     assert "not restarted" in str(pytest.raises(parallel.WorkerError, env.reset).value)
     env.close()
     assert_gone([pid])
 
 
 @pytest.mark.parametrize("restart", [True, False])
-def test_hung_worker_times_out(restart):
-    env = parallel.Parallel(functools.partial(FakeEnv, hang_at=1), index=0, restart=restart, timeout=2)
+def test_hung_worker_times_out(restart, capsys):
+    env = parallel.Parallel(functools.partial(FakeEnv, hang_at=1), index=0, restart=restart, timeout=10)
+    # 10 s: also the limit on building the worker, which a loaded machine can take seconds over
     pid = env.pid
     env.reset()()
     future = env.step(np.zeros(2))
     start = time.monotonic()
     if restart:
-        with pytest.warns(RuntimeWarning, match="did not answer within 2 s"):
-            obs, reward, done, info = future()
+        obs, reward, done, info = future()
         assert info == {"restarted": True} and obs["is_first"] and (reward, done) == (0.0, False)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "did not answer within 10 s (env_timeout); restarting it" in lines[0], lines
     else:
-        with pytest.raises(parallel.WorkerError, match="did not answer within 2 s"):
+        with pytest.raises(parallel.WorkerError, match="did not answer within 10 s"):
             future()
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 60  # the 10 s timeout and a restart, not the 1000 s hang
+    assert_gone([pid])
+    env.close()
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_stopped_worker_is_one_line_naming_its_environment_within_the_timeout(restart, capsys):
+    """A SIGSTOPped worker (a hung simulator looks the same) is handled by env_failure: restarted with
+    one warning line, or the end of this environment, once `timeout` passed without an answer."""
+    env = parallel.Parallel(functools.partial(FakeEnv, length=50), 4, restart=restart, timeout=2, name="fake_walk")
+    pid = env.pid
+    env.reset()()
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    expected = "Environment 4 (fake_walk): the worker process did not answer within 2 s (env_timeout)"
+    if restart:
+        obs, _, _, info = env.step(np.zeros(2))()
+        assert info == {"restarted": True} and obs["is_first"]
+        assert capsys.readouterr().err.splitlines() == [f"warning: {expected}; restarting it (dropping its episode)."]
+        assert env.step(np.zeros(2))()[0]["vector"].shape == (3,)  # the fresh worker answers
+    else:
+        with pytest.raises(parallel.WorkerError) as caught:
+            env.step(np.zeros(2))()
+        assert str(caught.value) == f"{expected}; not restarted (restart=False, env_failure: stop)"
+    assert 2 <= time.monotonic() - start < 6
     assert_gone([pid])
     env.close()
 

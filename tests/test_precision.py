@@ -151,6 +151,7 @@ def test_return_norm_statistics_stay_float32_from_bfloat16_returns():
     torch.testing.assert_close(norm.high, 0.01 * q[1])
 
 
+@pytest.mark.slow  # an in-process training run
 def test_bf16_debug_run_trains_on_the_cpu(tmp_path, capsys):
     logdir = tmp_path / "run"
     dreamer.main(["--configs", "debug", "--precision", "bf16", "--logdir", str(logdir), "--steps", "120",

@@ -170,6 +170,7 @@ def test_on_cuda_batches_go_to_pinned_memory_and_are_copied_without_waiting(monk
         np.testing.assert_array_equal(data[key].numpy(), plain[key])
 
 
+@pytest.mark.slow  # in-process training runs
 def test_a_run_trains_the_same_with_batches_sampled_ahead(tmp_path, monkeypatch):
     """recipe2024 at debug size (replay_context 1, several updates per step): the same weights after
     a short run whether the batches are sampled on demand or ahead on a thread."""

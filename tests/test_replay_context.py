@@ -160,11 +160,31 @@ def test_an_episode_start_inside_the_sequence_resets_the_stored_latent():
 
 
 def test_plan2explore_trains_on_the_sequence_after_the_context():
+    """The ensemble's pairs come from the T trained steps alone: its posteriors are those written
+    back for steps 1 .. T (never the context step's stored latent), its actions and episode starts
+    those of the same steps."""
     agent, config = vector_agent("--expl_behavior", "plan2explore", "--disag_offset", "1")
     batch = context_batch(config)
+    stored = copy.deepcopy(batch)
+    seen = {}
+    loss = agent.expl_behavior.ensemble_loss
+
+    def recorded(post, embed, action, is_first):
+        seen.update(post={k: v.detach().clone() for k, v in post.items()}, embed=embed.detach().clone(),
+                    action=action.detach().clone(), is_first=is_first.detach().clone())
+        return loss(post, embed, action, is_first)
+
+    agent.expl_behavior.ensemble_loss = recorded
     metrics = agent.train_step(batch)
-    assert any(k.startswith("expl") or "ensemble" in k for k in metrics)
     assert all(torch.isfinite(v).all() for v in metrics.values())
+    k, length = config.replay_context, batch["action"].shape[1]
+    assert seen["post"]["deter"].shape[:2] == seen["embed"].shape[:2] == (2, length - k)
+    np.testing.assert_array_equal(seen["action"].numpy(), stored["action"][:, k:])
+    np.testing.assert_array_equal(seen["is_first"].numpy(), stored["is_first"][:, k:])
+    # batch's latents of steps 1 .. T are now the training posteriors (ReplayContext.store).
+    np.testing.assert_array_equal(seen["post"]["deter"].numpy(), batch["latent_deter"][:, k:])
+    np.testing.assert_array_equal(seen["post"]["stoch"].numpy(), batch["latent_stoch"][:, k:])
+    assert not np.allclose(seen["post"]["deter"][:, 0].numpy(), stored["latent_deter"][:, 0])
 
 
 def test_write_back_puts_the_trained_steps_latents_at_their_steps():
@@ -249,6 +269,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
 # -- a recipe2024 run with replay_context 1 trains, writes back and resumes -----------------------------------
 
 
+@pytest.mark.slow  # in-process training runs
 def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatch):
     samples, updates, batches = [], [], []
     sample, update, train_step = storage.Replay.sample, storage.Replay.update, dreamer.Dreamer.train_step

@@ -92,11 +92,22 @@ def test_the_replay_context_stores_and_writes_back_tensors_on_the_device():
         assert torch.equal(stored["latent_stoch"][steps].cpu(), torch.full((5, 3), 2.0)), row
 
 
-def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path):
+@pytest.mark.slow  # two in-process training runs
+def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path, capsys):
     logdir = tmp_path / "run"
-    flags = ["--configs", "debug", "recipe2024", "--device", DEVICE, "--replay_device", "True", "--logdir", str(logdir)]
-    dreamer.main([*flags, "--steps", "60"])
+    flags = ["--configs", "debug", "recipe2024", "--device", DEVICE, "--replay_device", "True", "--time_limit", "40",
+             "--logdir", str(logdir)]
+    dreamer.main([*flags, "--steps", "60"])  # one whole episode of 20 steps stored, one running
+    first = torch.load(logdir / "latest.pt", weights_only=False)["counters"]
+    assert first["policy_steps"] == 30 and first["updates"] > 0
+    capsys.readouterr()
     dreamer.main([*flags, "--steps", "80"])  # resumed: the replay is refilled on the device from the episode files
+    out = capsys.readouterr().out
+    assert "Run: resumed from frame 60" in out, out
+    loaded = int(out.split("Episodes: ")[1].split(" replay steps loaded")[0])
+    assert loaded == first["stored_steps"] > 0, out  # every stored step, back in the replay on the device
+    state = torch.load(logdir / "latest.pt", weights_only=False)["counters"]
+    assert state["policy_steps"] == 40 and state["updates"] > first["updates"]  # it went on from the checkpoint
     rows = [line for line in (logdir / "metrics.jsonl").read_text().splitlines() if "world_model/model_loss" in line]
     assert rows, "no update was logged"
 
@@ -105,5 +116,5 @@ def test_the_cost_line_counts_the_replay_against_the_devices_memory():
     config = dreamer.parse(["--configs", "debug", "--replay_device", "True", "--dataset_size", "1000"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8))}
     lines = storage.cost_lines(config, spec, free=10)
-    assert "of CPU memory at capacity" in lines[0]
+    assert "of CPU memory by the end (300 steps" in lines[0]
     assert "WARNING" in lines[1] and "--replay_device False" in lines[1]

@@ -306,6 +306,7 @@ def test_auto_run_prints_the_decision_logs_step_ms_and_resumes_with_it(tmp_path,
     assert len(stand_in_measurement) == 1
 
 
+@pytest.mark.slow  # an in-process training run
 def test_auto_with_the_asynchronous_loop_sets_the_learners_threads(tmp_path, capsys, monkeypatch,
                                                                   stand_in_measurement):
     # 2 cores, 0.16 updates per step, an update 2 s on one thread and 1 s on two, in-process. The
@@ -387,6 +388,7 @@ def test_collector_status_reports_step_ms_per_interval():
     assert np.isnan(collector.status()[0]["step_ms"])  # a fresh interval
 
 
+@pytest.mark.slow  # measures for seconds
 def test_measure_env_and_time_agent_on_the_debug_task():
     config = make_config()
     measured = parallel.measure_env(functools.partial(envs.make_env, config, "train", 0), steps=15, budget=1.0)

@@ -155,6 +155,7 @@ def test_the_dry_run_gives_both_codes_the_same_flags_and_cuda_reaches_both(tmp_p
     assert result.returncode == 0 and "--jax.platform cuda" in result.stdout
 
 
+@pytest.mark.slow  # learning.main starts the runs as processes
 def test_runs_are_resumable_a_finished_run_is_not_started_again(checkout, tmp_path, capsys):
     argv = ["--tasks", "dmc_cheetah_run", "--seeds", "0,1", "--codes", "official", "--official", str(checkout),
             "--official-python", sys.executable, "--out", str(tmp_path), "--bin", "1000", "--",
@@ -175,6 +176,7 @@ def test_runs_are_resumable_a_finished_run_is_not_started_again(checkout, tmp_pa
     assert (tmp_path / "learning.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # learning.main starts the runs as processes
 def test_a_failed_run_is_recorded_and_started_again(tmp_path, capsys):
     broken = tmp_path / "broken"
     (broken / "dreamerv3").mkdir(parents=True)

@@ -162,7 +162,7 @@ def test_atari_game_over_is_terminal_and_time_limit_is_truncation():
     env = atari.make("pong", config("atari100k", time_limit=400), "train", 0)
     env.reset()
     steps = 0
-    while True:
+    for _ in range(1000):
         obs, _, done, _ = env.step(onehot(0, 6))
         steps += 1
         if done:
@@ -170,11 +170,12 @@ def test_atari_game_over_is_terminal_and_time_limit_is_truncation():
     assert steps == 400 // 4 and obs["is_last"] and not obs["is_terminal"]
     env = atari.make("pong", config("atari100k", time_limit=0), "train", 0)
     env.reset()
-    while True:  # a random player loses Pong 0:21 in a few thousand frames
+    for _ in range(25_000):  # a random player loses Pong 0:21 in a few thousand frames (4 per step)
         obs, reward, done, _ = env.step(env.act_space.sample())
         assert reward in (-1.0, 0.0, 1.0)  # unclipped, but Pong only scores single points
         if done:
             break
+    assert done, "a random player's game of Pong did not end within 100K frames"
     assert obs["is_last"] and obs["is_terminal"]
 
 
@@ -201,6 +202,7 @@ def test_atari_resize_methods_and_task_names():
 # ==================================================================================================
 
 
+@pytest.mark.slow  # Crafter's world generation and rendering
 def test_crafter_spaces_contract_and_achievements():
     from envs import crafter
 
@@ -232,6 +234,7 @@ def test_crafter_spaces_contract_and_achievements():
             break
 
 
+@pytest.mark.slow  # Crafter's world generation and rendering
 def test_crafter_death_is_terminal_and_length_is_truncation():
     from envs.crafter import LENGTH, Crafter
 
@@ -294,6 +297,7 @@ def _inner_gym_env(env):
     return env
 
 
+@pytest.mark.slow  # builds and renders Memory Maze
 def test_memorymaze_spaces_contract_and_action_repeat(maze, monkeypatch):
     assert maze.act_space.discrete and maze.act_space.shape == (6,)
     assert maze.obs_space["image"].shape == (64, 64, 3)
@@ -310,6 +314,7 @@ def test_memorymaze_spaces_contract_and_action_repeat(maze, monkeypatch):
     assert calls == [1, 1] and isinstance(reward, np.float32) and not done
 
 
+@pytest.mark.slow  # builds and renders Memory Maze
 def test_memorymaze_episode_end_is_truncation(maze):
     from dm_control import composer
 
@@ -320,9 +325,14 @@ def test_memorymaze_episode_end_is_truncation(maze):
     step_time = dm_env.control_timestep()
     # The package's standard length for 9x9: 250 s at 4 Hz.
     assert round(dm_env._time_limit / step_time) == 1000
+    standard = dm_env._time_limit
     dm_env._time_limit = 5 * step_time - 1e-3  # shorten the package's timer to 5 environment steps
-    maze.reset()
-    results = [maze.step(onehot(1, 6)) for _ in range(3)]  # 2 + 2 + 1 environment steps
+    try:
+        maze.reset()
+        results = [maze.step(onehot(1, 6)) for _ in range(3)]  # 2 + 2 + 1 environment steps
+    finally:  # the module's environment, as the other tests see it
+        dm_env._time_limit = standard
+        maze.reset()
     assert [r[2] for r in results] == [False, False, True]
     assert results[-1][0]["is_last"] and not results[-1][0]["is_terminal"]
 
@@ -711,7 +721,7 @@ def test_gym_continuous_task_truncation_and_action_repeat():
     assert env.act_space.low[0] == -1.0 and env.act_space.high[0] == 1.0  # normalised from [-2, 2]
     env.reset()
     steps = 0
-    while True:
+    for _ in range(1000):
         obs, reward, done, _ = env.step(np.array([1.0], np.float32))
         steps += 1
         if done:
@@ -823,6 +833,8 @@ def test_debug_training_run(training_runs, name):
     assert code == 0, output[-3000:]
     lines = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert lines and all("step" in line for line in lines)
+    assert lines[-1]["perf/updates"] > 0 and any(math.isfinite(line.get("world_model/model_loss", math.nan))
+                                                 for line in lines), output[-3000:]  # it trained
     episodes = sorted((logdir / "train_eps").glob("*.npz"))
     assert episodes, output[-3000:]
     with np.load(episodes[0]) as episode:

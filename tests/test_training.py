@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_debug_run_writes_metrics_episodes_and_checkpoint(run):
 
 
 def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
-    logdir, _ = run
+    logdir = shutil.copytree(run[0], tmp_path / "run")  # the module's run stays as it was for the other tests
     before = metrics(logdir)[-1]["step"]
     result = train(logdir, "--steps", "600")
     assert "resumed from frame 400" in result.stdout
@@ -98,8 +99,8 @@ def test_rerun_resumes_and_continues_the_step_count(run, tmp_path):
     assert state["counters"]["policy_steps"] * 2 == 600
 
 
-def test_eval_only_changes_nothing_but_its_own_outputs(run):
-    logdir, _ = run
+def test_eval_only_changes_nothing_but_its_own_outputs(run, tmp_path):
+    logdir = shutil.copytree(run[0], tmp_path / "run")
     before = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
     env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
     command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--eval_only",
@@ -232,15 +233,20 @@ def test_phase_heartbeat_reports_while_one_step_takes_long(capsys):
     still gets lines: the heartbeat prints the state every `every` seconds."""
 
     phase = logs.Phase("compile warm-up (first update)", 1, "call", interactive=False, every=0.2)
-    time.sleep(0.7)  # one long step
+    lines, deadline = [], time.monotonic() + 60  # one long step: until two heartbeats came (a loaded machine waits)
+    waiting = lambda: [line for line in lines  # noqa: E731
+                       if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
+    while len(waiting()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        lines += capsys.readouterr().out.splitlines()
     phase.update(1)
     phase.close()
-    lines = capsys.readouterr().out.splitlines()
-    waiting = [line for line in lines if line.startswith("compile warm-up (first update): 0/1 calls (0%) | 0.00")]
-    assert len(waiting) >= 2 and "ETA ?" in waiting[0], lines
+    lines += capsys.readouterr().out.splitlines()
+    assert len(waiting()) >= 2 and "ETA ?" in waiting()[0], lines
     assert lines[-1].startswith("compile warm-up (first update): done, 1 calls in")
 
 
+@pytest.mark.slow  # in-process training runs
 def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_says_so(tmp_path, capsys,
                                                                                          monkeypatch):
     """compile auto on a CPU runs a short run eagerly and says why; an explicit --compile True compiles, and the
@@ -262,3 +268,24 @@ def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_
     for name in ("first update", "first policy step"):
         assert f"compile warm-up ({name}): 0/1 calls" in out
         assert out.count(f"compile warm-up ({name}): done, 1 calls in") == 1
+
+
+def test_a_rerun_restores_the_checkpoints_counters_and_schedules(tmp_path, capsys):
+    """The quick tier's resume check, in-process and small: a run of a 50-frame prefill and two
+    pretraining updates, then a rerun to 52 frames (one policy step, too few for an update): it
+    resumes every counter of latest.pt and pretrains no more (a counter not restored would pretrain
+    anew)."""
+    import dreamer
+
+    flags = ["--configs", "debug", "--device", "cpu", "--prefill", "50", "--pretrain", "2", "--eval_episode_num",
+             "0", "--video_pred_log", "False", "--logdir", str(tmp_path / "run")]
+    dreamer.main([*flags, "--steps", "50"])
+    saved = torch.load(tmp_path / "run" / "latest.pt", weights_only=False)
+    assert saved["counters"]["updates"] == 2 and saved["counters"]["policy_steps"] == 25
+    capsys.readouterr()
+    dreamer.main([*flags, "--steps", "52"])
+    out = capsys.readouterr().out
+    assert "Run: resumed from frame 50" in out and "pretrain:" not in out, out
+    state = torch.load(tmp_path / "run" / "latest.pt", weights_only=False)
+    assert state["counters"]["updates"] == 2 and state["counters"]["policy_steps"] == 26
+    assert state["schedules"]["train"] == saved["schedules"]["train"]  # no update owed for one policy step

@@ -19,6 +19,7 @@ DREAMER_TEST_DEVICE=cuda and DREAMER_TEST_BACKEND=inductor, with CUDA graphs.
 import copy
 import os
 import pickle
+import types
 
 import numpy as np
 import pytest
@@ -317,13 +318,30 @@ def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
     assert region.calls == 0
 
 
-def test_a_region_past_the_recompile_limit_is_an_error_not_an_eager_fallback():
+def test_a_region_reports_dynamos_recompile_limit_error_as_a_compile_error(backend):
     region = models.Region(lambda x: x * 2, "Example.step", cuda_graphs=False)
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
         region(torch.ones(3))
         with pytest.raises(models.CompileError, match=r"Example\.step cannot be compiled as one graph"):
             region(torch.ones(4))  # another shape: a second variant
     assert region.calls == 1
+
+
+def test_compile_update_makes_a_region_past_the_recompile_limit_an_error_not_an_eager_fallback(backend):
+    """compile_update's own settings, from dynamo's defaults (which would run the extra variants
+    eagerly): a region may take up to recompile_limit variants, and the next is a CompileError."""
+    owner = types.SimpleNamespace(step=lambda x: x * 2)
+    agent = types.SimpleNamespace(config=types.SimpleNamespace(device=DEVICE), regions=lambda: [(owner, "step")])
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
+        [region] = models.compile_update(agent)
+        assert owner.step is region
+        limit = torch._dynamo.config.recompile_limit
+        assert limit >= 8 and torch._dynamo.config.fail_on_recompile_limit_hit
+        for n in range(1, limit + 1):
+            region(torch.ones(n, device=DEVICE))
+        with pytest.raises(models.CompileError, match=r"SimpleNamespace\.step cannot be compiled as one graph"):
+            region(torch.ones(limit + 1, device=DEVICE))
+    assert region.calls == limit
 
 
 def test_compile_update_is_refused_under_torchrun(spaces):
