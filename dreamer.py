@@ -684,6 +684,10 @@ class Trainer:
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
                     prefill_and_pretrain(self)
                 self.loop.run()
+                # The end evaluates and logs, and counts as the schedules' turn where one is due: a
+                # run continued from here with more --steps does not do them again at this frame.
+                self.schedules["eval"](self.frames)
+                self.schedules["log"](self.frames)
                 if self.evaluates:
                     self.evaluate()
                 self.log()
@@ -713,12 +717,14 @@ class Trainer:
         evaluated = self.evaluates and self.schedules["eval"](self.frames)
         if evaluated:
             self.evaluate()
+        self.progress.update(self.frames)
+        # The log before the save: a run resumed from this checkpoint neither logs this frame again
+        # nor loses the metrics of the updates since the last log.
+        if self.schedules["log"](self.frames):
+            self.log()
         if evaluated or self.agreement.save_due:  # save_every: due on any rank, agreed at the last update
             self.save()
         self.stop_if_asked()
-        self.progress.update(self.frames)
-        if self.schedules["log"](self.frames):
-            self.log()
 
 # ==================================================================================================
 # The loops: synchronous and asynchronous collection

@@ -1,0 +1,361 @@
+"""Tests that fail when learning breaks (issue 29): a tiny agent of the 2024 recipe beats random actions by a
+clear margin on a small task (tests/steering.py; v1: see LEARNING_RECIPES), the world-model loss
+falls over the first updates on a fixed replay with both recipes and both update modes, and a run stopped
+and resumed ends where the same run done in one go ends.
+
+Runs go through dreamer.main in this process, on in-process Steering environments (envs.make_env
+replaced), at one torch thread.
+"""
+
+import copy
+import functools
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from steering import Steering  # noqa: E402
+
+import dreamer  # noqa: E402
+import envs  # noqa: E402
+import parallel  # noqa: E402
+import tools  # noqa: E402
+
+PRESETS = tools.load_presets()
+RECIPES = {"v1": ["debug"], "recipe2024": ["recipe2024", "debug"]}
+# Steering steps cost nothing: frames are policy steps, and no images or videos.
+TINY = ["--device", "cpu", "--action_repeat", "1", "--video_pred_log", "False"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def flags(recipe, *more):
+    return ["--configs", *RECIPES[recipe], *TINY, *more]
+
+
+def steering_envs(monkeypatch, **kwargs):
+    """dreamer.main's environments become Steering ones, seeded as envs.make_env seeds."""
+
+    def make_env(config, mode, index, task=None):
+        return Steering(config.seed + index + (10000 if mode == "eval" else 0), **kwargs)
+
+    monkeypatch.setattr(envs, "make_env", make_env)
+
+
+def metrics(logdir, skip=("perf/", "env/")):
+    """metrics.jsonl without the timings (perf/) and the environments' status (env/: counted since the
+    process started), which no two runs share."""
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(skip)} for row in rows]
+
+
+def assert_same_rows(a, b):
+    assert [row["step"] for row in a] == [row["step"] for row in b]
+    for x, y in zip(a, b):
+        differ = {k: (x.get(k), y.get(k)) for k in x.keys() | y.keys() if x.get(k) != y.get(k)}
+        assert not differ, f"frame {x['step']}: {differ}"
+
+
+def assert_same_state(a, b, where=""):
+    """Nested checkpoint contents equal exactly: tensors bitwise, everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: differs by up to {(a.double() - b.double()).abs().max():.3g}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(set(a) ^ set(b))}"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# -- learning --------------------------------------------------------------------------------------------
+
+# The debug preset's sizes; a budget of 1000 frames (850 updates of 8 x 16 steps) that a CPU thread runs in
+# about a minute and a half. Each recipe's learning rates are raised tenfold and its warm-up cut tenfold
+# (the 2024 recipe's, from 1000 updates to 100) for this budget; everything else is the recipe's own.
+LEARN = ["--steps", "1000", "--prefill", "200", "--pretrain", "50", "--train_ratio", "128", "--batch_size", "8",
+         "--batch_length", "16", "--time_limit", "0", "--eval_episode_num", "0", "--log_every", "1000",
+         "--save_every", "0"]
+FASTER = {"v1": ["--model_lr", "1e-3", "--actor.lr", "3e-4", "--critic.lr", "3e-4"],
+          "recipe2024": ["--model_lr", "4e-4", "--actor.lr", "4e-4", "--critic.lr", "4e-4", "--warmup", "100"]}
+# Evaluation: each target twice, on both sides at five distances.
+GOALS = [side * distance for side in (-1, 1) for distance in (0.5, 0.625, 0.75, 0.875, 1.0)] * 2
+
+
+def policy_return(agent=None, seed=0):
+    """Mean return over GOALS of the agent's evaluation policy (its sample: eval_sample), or of uniform
+    random actions (agent None, 50 episodes per goal) from `seed`."""
+    if agent is not None:
+        handles = [parallel.Damy(functools.partial(Steering, 0, goals=[goal])) for goal in GOALS]
+        episodes = parallel.run_episodes(agent, handles, 1, None)
+        return float(np.mean([episode["reward"].sum() for episode in episodes]))
+    rng, returns = np.random.default_rng(seed), []
+    for goal in GOALS * 50:
+        env = Steering(0, goals=[goal])
+        env.reset()
+        done, total = False, 0.0
+        while not done:
+            _, reward, done, _ = env.step(rng.uniform(-1, 1, 1))
+            total += reward
+        returns.append(total)
+    return float(np.mean(returns))
+
+
+def learn(recipe, seed, logdir):
+    """A LEARN run of `recipe` on Steering; returns its final agent."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        steering_envs(monkeypatch)
+        dreamer.main(flags(recipe, *LEARN, *FASTER[recipe], "--seed", str(seed), "--logdir", str(logdir)))
+    config = dreamer.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
+    agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
+    agent.load_state_dict(tools.load_checkpoint(logdir / "latest.pt")["agent"])
+    return agent
+
+
+def constant_return(action):
+    """Mean return over GOALS of one constant action."""
+    returns = []
+    for goal in GOALS:
+        env = Steering(0, goals=[goal])
+        env.reset()
+        returns.append(sum(env.step(np.array([action]))[1] for _ in range(env.length)))
+    return float(np.mean(returns))
+
+
+# The sweep (tests/steering.py, LEARN, each seed's run, then policy_return of its final agent; the random
+# actions' return over GOALS is 4.62, 1000 episodes): per seed, the evaluation return of the trained agent,
+# and that of the same agent with its actor put back to its initial weights (the untrained actor reading
+# the trained world model's features), the second evaluation of the same checkpoint.
+#   recipe2024  seed 0: 15.52 (margin over random 10.90); initial actor 1.71 (trained, re-evaluated: 14.44)
+#               seed 1: 13.05 (margin  8.43); initial actor 2.11 (re-evaluated 12.73)
+#               seed 2: 12.25 (margin  7.63); initial actor 1.75 (re-evaluated 11.70)
+#               seed 3: 13.00 (margin  8.38); initial actor 1.74 (re-evaluated  8.82: margin 4.20)
+#               seed 4: 11.43 (margin  6.81); initial actor 1.55 (re-evaluated 11.73)
+#   v1          seed 0: 17.90 (margin 13.28); initial actor  9.56 (re-evaluated 17.25)
+#               seed 1: 14.00 (margin  9.38); initial actor 14.81 (re-evaluated 14.75)
+#               seed 2: 11.04 (margin  6.42); initial actor 10.94 (re-evaluated 11.19)
+#               seed 3: 11.07 (margin  6.45); initial actor -2.39 (re-evaluated 11.63)
+#               seed 4: 11.20 (margin  6.58); initial actor 13.49 (re-evaluated 10.97)
+# v1 beats random actions on every seed, but on seeds 1, 2 and 4 its untrained actor does as well: in this
+# budget the margin comes from the world model's features, not from the actor's learning (a run with the
+# actor's learning rate at 1e-12, seed 0, scored 13.40, well past random). So v1 is not tested here until
+# a budget or task is found where its actor's own learning shows; the 2024 recipe's actor did, measured at
+# 8495030 + this branch. After the merge of 70b5c74 (the actor's mean and std as output layers of their own)
+# seed 0's run scored 15.40 and its initial actor on that world model 12.65, not ~1.7: unexplained so far,
+# so the test does not assert the margin over the initial actor (issue 29, left open).
+LEARNING_RECIPES = ["recipe2024"]
+# The least margin the test accepts over random actions and over the initial actor: inside every one
+# measured (the least, 4.20 over random, 7.08 over the initial actor), evaluation noise included.
+MARGIN = 3.0
+SEED = 0  # the one the test runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", LEARNING_RECIPES)
+def test_a_tiny_agent_beats_random_actions_on_steering_by_a_clear_margin(tmp_path, recipe):
+    """A LEARN run (178 s of CPU time at one thread, measured on a machine running 15 processes on its 2
+    cores; less on an idle one) on Steering: the evaluation return over GOALS, of the policy's samples,
+    beats that of uniform random actions by more than MARGIN, so it beats every constant action (their
+    best, 0, scores 5.0, random actions 4.62, out of an attainable 19.2; the bar is at 7.62). The seeds
+    tried and their margins are in the comment above, with why the margin over the initial actor is not
+    asserted yet."""
+    random_return = policy_return(None, seed=0)
+    assert max(constant_return(a) for a in np.linspace(-1, 1, 21)) < random_return + MARGIN
+    agent = learn(recipe, SEED, tmp_path / "run")
+    score = policy_return(agent)
+    assert score > random_return + MARGIN, (score, random_return)
+
+
+# -- resume equals straight ------------------------------------------------------------------------------
+
+# 10-step episodes towards one fixed target (an environment's random state is not in a checkpoint: the
+# resumed run builds its environments afresh, so only episodes that do not depend on it continue alike).
+# After the 10-frame prefill the run logs and evaluates at frames 10, 50 and at its end, 90.
+RESUME = ["--time_limit", "0", "--prefill", "10", "--pretrain", "2", "--batch_size", "4", "--batch_length", "8",
+          "--train_ratio", "16", "--eval_every", "40", "--log_every", "40", "--eval_episode_num", "1",
+          "--save_every", "0"]
+
+
+def exit_code(argv):
+    """dreamer.main's exit status; the exception is dropped here, and with it the logdir's lock, which its
+    traceback's frames hold (a pytest.raises would keep them)."""
+    try:
+        dreamer.main(argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def stop_at(monkeypatch, frame):
+    """A Ctrl-C at `frame`, after that step's updates, evaluation and log, before the next step."""
+    collect = dreamer.Trainer.collect
+
+    def collect_or_stop(self, policy):
+        if self.frames == frame and self.counters.updates:
+            raise KeyboardInterrupt
+        return collect(self, policy)
+
+    monkeypatch.setattr(dreamer.Trainer, "collect", collect_or_stop)
+
+
+def resume_flags(recipe, logdir, steps):
+    # The 2024 recipe without its replay context: see the test's docstring.
+    extra = ["--replay_context", "0"] if recipe == "recipe2024" else []
+    return flags(recipe, *RESUME, *extra, "--logdir", str(logdir), "--steps", str(steps))
+
+
+@pytest.fixture(scope="module", params=list(RECIPES))
+def straight_run(request, tmp_path_factory):
+    """(recipe, logdir) of a 90-frame run in one go."""
+    logdir = tmp_path_factory.mktemp("straight") / request.param
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        steering_envs(monkeypatch, length=10, goals=[0.75])
+        dreamer.main(resume_flags(request.param, logdir, 90))
+    return request.param, logdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["ctrl-c", "steps"])
+def test_a_run_stopped_at_an_update_boundary_and_resumed_ends_as_the_straight_run(straight_run, tmp_path, monkeypatch,
+                                                                                   capsys, stop):
+    """The straight run against the same run stopped at frame 50 and rerun to 90, stopped by a Ctrl-C
+    after the step's updates, evaluation and log (ctrl-c) or by ending at --steps 50 (steps): weights,
+    optimizer states, counters, schedules and random states equal bitwise at the end, and so do the
+    logged metrics (but timings and the environments' status, counted per process).
+
+    A Ctrl-C between two logs loses the metrics of the updates since the last (they are in memory
+    only); nothing else. The 2024 recipe runs here without its replay context: the latents written
+    back into the replay after each update are kept in memory only, and a resumed run replays the
+    ones its episode files hold (the policy's), so that its updates differ from the first on."""
+    recipe, straight = straight_run
+    steering_envs(monkeypatch, length=10, goals=[0.75])
+    split = tmp_path / "split"
+    if stop == "ctrl-c":
+        with monkeypatch.context() as stopped:
+            stop_at(stopped, 50)
+            assert exit_code(resume_flags(recipe, split, 90)) == 130
+    else:
+        dreamer.main(resume_flags(recipe, split, 50))
+    dreamer.main(resume_flags(recipe, split, 90))
+    assert "resumed from frame 50" in capsys.readouterr().out
+    a, b = (tools.load_checkpoint(logdir / "latest.pt") for logdir in (straight, split))
+    assert a["counters"]["updates"] > 30
+    assert_same_state(a, b)
+    assert_same_rows(metrics(straight), metrics(split))
+
+
+# -- the world-model loss falls -------------------------------------------------------------------------
+
+
+def random_episodes(count, seed=0, length=10):
+    """`count` Steering episodes of uniform random actions, stored as the collector stores them (the first
+    step with a zero action and reward)."""
+    env, rng = Steering(seed, length=length), np.random.default_rng(seed)
+    episodes = []
+    for _ in range(count):
+        steps = [{**env.reset(), "action": np.zeros(1, np.float32), "reward": np.float32(0)}]
+        while not steps[-1]["is_last"]:
+            action = rng.uniform(-1, 1, 1).astype(np.float32)
+            obs, reward, _, _ = env.step(action)
+            steps.append({**obs, "action": action, "reward": np.float32(reward)})
+        episodes.append({k: np.stack([np.asarray(s[k]) for s in steps]) for k in steps[0]})
+    return episodes
+
+
+def fixed_batches(agent, episodes, size):
+    """The episodes as batches of `size` whole episodes each, with the replay context's latents (zeros, as
+    the random prefill stores them) and task index."""
+    batches = []
+    for first in range(0, len(episodes), size):
+        batch = {k: np.stack([e[k] for e in episodes[first:first + size]]) for k in episodes[0]}
+        shape = batch["reward"].shape
+        batch["task"] = np.zeros(shape, np.int32)
+        batch.update({k: np.zeros((*shape, *s), d) for k, (s, d) in agent.context.spec.items()})
+        batches.append(batch)
+    return batches
+
+
+# How far each loss must fall (last / first). Measured: model 0.90 (v1), 0.97 (2024); decoder 0.63, 0.91;
+# reward 0.991 (v1); with no learning each is exactly 1.
+FALLS = {"model_loss": 0.99, "state_loss": 0.95, "reward_loss": 1.0}
+UPDATE_MODES = [("v1", "sequential"), ("v1", "joint"), ("recipe2024", "joint"), ("recipe2024", "sequential")]
+
+
+@pytest.mark.parametrize("recipe, update", UPDATE_MODES)
+def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(recipe, update):
+    """32 updates on four fixed batches of random-action episodes, in turn, each batch's update drawing
+    the same random numbers every time: the world model's loss and its decoder and reward terms over the
+    last four updates are below those over the first four, on the same batches with the same draws (so
+    that with no learning they would be equal). The 2024 recipe's warm-up is cut to 8 updates; the joint
+    update needs REINFORCE actor gradients."""
+    extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
+    argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10", *extra)
+    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    tools.seed_everything(0, False)
+    agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
+    length = config.batch_length + agent.context.steps
+    batches = fixed_batches(agent, random_episodes(16, length=length - 1), 4)
+    losses = {key: [] for key in ("model_loss", "state_loss", "reward_loss")}
+    for i in range(32):
+        torch.manual_seed(i % 4)
+        metrics = agent.train_step(batches[i % 4])
+        for key, values in losses.items():
+            values.append(float(metrics[key]))
+    for key, values in losses.items():
+        first, last = np.mean(values[:4]), np.mean(values[-4:])
+        assert np.isfinite(values).all() and last < FALLS[key] * first, (key, values)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved_frame(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """What --asynchronous can promise: its actor thread and learner interleave as the threads are
+    scheduled, so that which policy acted on which step, and hence the weights, differ between any two
+    runs, resumed or not. It promises that the rerun continues the saved state: the weights, optimizer
+    moments and step counts, counters, train-ratio limiter and random states it loads are those saved;
+    its replay holds every stored step; it continues from the saved frame; and at its end every
+    optimizer has made one step per update of the whole run and the ratio holds over the whole run."""
+    steering_envs(monkeypatch, length=10, goals=[0.75])
+    logdir = tmp_path / "run"
+    argv = ["--asynchronous", "True", "--ratio_tolerance", "2", "--eval_episode_num", "0"]
+    dreamer.main(resume_flags("v1", logdir, 50) + argv)
+    saved = tools.load_checkpoint(logdir / "latest.pt")
+    assert saved["counters"]["policy_steps"] == 50 and saved["counters"]["updates"] > 10
+    loaded = {}
+    restore = dreamer.Checkpoints.restore
+
+    def restore_and_look(self, state):
+        changes = restore(self, state)
+        trainer = self.trainer
+        loaded.update(agent=copy.deepcopy(trainer.agent.state_dict()), optimizers=trainer.agent.optimizer_state(),
+                      counters=dict(vars(trainer.counters)), train=trainer.schedules["train"].state_dict(),
+                      replay=len(trainer.replay), rng=tools.rng_state(trainer.replay.rng))
+        loaded["optimizers"] = copy.deepcopy(loaded["optimizers"])
+        return changes
+
+    monkeypatch.setattr(dreamer.Checkpoints, "restore", restore_and_look)
+    dreamer.main(resume_flags("v1", logdir, 90) + argv)
+    assert "resumed from frame 50" in capsys.readouterr().out
+    for key in ("agent", "optimizers", "counters", "rng"):
+        assert_same_state(saved[key], loaded[key], key)
+    assert loaded["train"] == saved["schedules"]["train"]
+    assert loaded["replay"] == 5 * 11  # five whole 10-step episodes, each with its first step
+    end = tools.load_checkpoint(logdir / "latest.pt")
+    updates = end["counters"]["updates"]
+    assert end["counters"]["policy_steps"] == 90 and updates > saved["counters"]["updates"]
+    optimizers = end["optimizers"]
+    assert optimizers["model"]["updates"] == updates
+    assert all(state["updates"] == updates for state in optimizers["task"].values()), optimizers["task"].keys()
+    owed = (90 - 10) * 16 / (4 * 8) + 2  # the train ratio's updates for the steps after the prefill, and pretrain
+    assert abs(updates - owed) <= 2 + 16 / (4 * 8), (updates, owed)
