@@ -295,6 +295,7 @@ def test_compiled_networks_never_hit_the_recompile_limit():
 COMPILED_INSIDE = {
     "Head": "its body is an MLP",
     "Actor": "its body is an MLP",
+    "SplitLinear": "the output layers after a compiled MLP, eager as the single nn.Linear they replaced",
     "MultiEncoder": "concatenates its keys around the compiled CNN and MLP",
     "MultiDecoder": "splits the compiled CNN's and MLP's outputs into keys",
     "RSSM": "its per-step functions obs_step and img_step are compiled",
