@@ -485,7 +485,7 @@ class Counters:
         self.updates = 0
         self.episodes = 0
         self.stored_steps = 0  # policy steps in the training episode files when last saved
-        self.completed = False  # the run ended at its --steps (its last evaluation, log and save done)
+        self.completed = 0  # the --steps the run ended at (its last evaluation, log and save done); 0: not yet
 
 
 class StoredEpisodes:
@@ -579,8 +579,9 @@ class Trainer:
     @property
     def done(self):
         """A resumed run that completed its --steps already: a rerun has nothing to do (a larger --steps
-        continues it; `completed` from an earlier, smaller --steps then stays until the new end)."""
-        return self.resumed and self.counters.completed and self.frames >= self.config.steps
+        continues it). `completed` holds the --steps that run ended at, so a checkpoint of an earlier,
+        smaller --steps is not taken as the end of this one, even with stored episodes counted past it."""
+        return self.resumed and self.counters.completed >= self.config.steps and self.frames >= self.config.steps
 
     @functools.cached_property
     def feed(self):
@@ -692,7 +693,7 @@ class Trainer:
                     self.evaluate()
                 self.log()
                 self.loop.close()
-                self.counters.completed = True
+                self.counters.completed = self.config.steps
                 self.save()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps

@@ -313,7 +313,7 @@ def test_a_run_without_evaluation_checkpoints_on_the_clock_and_resumes_after_kil
 KILLED_MID_EPISODE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import tools
+import storage
 
 add = storage.EpisodeWriter.add
 
