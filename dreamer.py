@@ -55,7 +55,15 @@ def main(argv=None):
         return None
     previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
-        return run(argv)
+        try:
+            config, logdir, device_note, changed = setup(argv)
+        except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
+            fail(str(e))
+        ranks = tools.processes(config.device)
+        try:
+            return run_processes(config, logdir, device_note, changed, ranks)
+        finally:
+            ranks.close()
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
         print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
@@ -90,18 +98,6 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, previous_handler)
 
 
-def run(argv):
-    try:
-        config, logdir, device_note, changed = setup(argv)
-    except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
-        fail(str(e))
-    ranks = tools.processes(config.device)
-    try:
-        return run_processes(config, logdir, device_note, changed, ranks)
-    finally:
-        ranks.close()
-
-
 def setup(argv):
     """Parse and check everything that can be wrong before any file is written. Returns the
     config (its task spelled canonically, its device one that can be used), the logdir, why --device
@@ -120,7 +116,7 @@ def setup(argv):
     if (logdir / "config.yaml").exists():
         warnings_ = tools.compare_saved_config(config, logdir / "config.yaml", BUDGET_KEYS)
     checkpoint = logdir / "latest.pt"
-    if config.eval_only and not (checkpoint.exists() or tools.previous_path(checkpoint).exists()):
+    if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     config, device_note = tools.resolve_device(config)
     return config, logdir, device_note, warnings_
@@ -239,8 +235,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
     # before building anything; a new one is locked once created. --eval_only only reads, so it
     # may run beside training. Under torchrun the main process holds it for all.
     try:
-        lock = tools.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
-    except tools.LogdirBusy as e:
+        lock = storage.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
+    except storage.LogdirBusy as e:
         fail(str(e))
     ranks.barrier()  # the others start only once the main process has the logdir
     tools.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
@@ -277,8 +273,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a new logdir: nothing written yet
             logdir.mkdir(parents=True, exist_ok=True)
             if ranks.is_main:
-                lock = lock or tools.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-        except (tools.ConfigError, tools.CheckpointError, tools.LogdirBusy) as e:
+                lock = lock or storage.lock_logdir(logdir)  # noqa: F841 - held until this process ends
+        except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
             fail(str(e))
         if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
             for line in trainer.notes:
@@ -358,9 +354,10 @@ class Dreamer(nn.Module):
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
         self.task_behavior = models.ActorCritic(config, self.wm, act_space, self.extrinsic_reward)
-        self.update = models.Update(config, self.wm, self.task_behavior)
         self.context = models.ReplayContext(config)
         self.expl_behavior = exploration.make_behavior(config, self.wm, act_space)
+        # The whole update of every learner: self.update.train_step(batch) (models.Update).
+        self.update = models.Update(config, self.wm, self.task_behavior, self.context, self.expl_behavior)
         compiler = models.COMPILERS[config.compile]
         self.compiled = compiler(self, networks.COMPILED + exploration.COMPILED) if compiler else []
 
@@ -407,20 +404,6 @@ class Dreamer(nn.Module):
         else:
             action = self.task_behavior.actor(feat).sample()
         return latent, action
-
-    def train_step(self, batch, data=None):
-        """One update of every learner on a replayed batch (B, K + T, ...) with K replay_context
-        steps; returns tensor metrics. With K > 0 the training posteriors replace the batch's
-        latents of the T trained steps (models.ReplayContext.store), for the write-back."""
-        data = self.wm.preprocess(batch if data is None else data)
-        latent, data = self.context.split(data)  # the stored start latent; data (B, T, ...)
-        post, embed, metrics = self.update.train_step(data, latent)  # world model and task actor-critic
-        start = {k: v.reshape(-1, *v.shape[2:]) for k, v in post.items()}  # (B*T, ...)
-        start_cont = data["cont"].reshape(-1)
-        if self.expl_behavior is not None:
-            metrics.update(self.expl_behavior.train_step(start, start_cont, post, embed, data))
-        self.context.store(batch, post)
-        return metrics
 
     def distribute(self, ranks):
         """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
@@ -663,11 +646,13 @@ class Trainer:
         length = config.batch_length + context.steps  # the context steps only give the start latent
         if not count or not self.agreement.settle(self.replay.ready(length)):
             return
+        train_step = self.agent.update.train_step  # with compile on, its first call (it compiles) is a phase
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
             try:
-                metrics = self.announce_compilation("first update", self.agent.train_step, batch, *on_device)
+                metrics = (self.first_calls("first update", train_step, batch, *on_device) if self.agent.compiled
+                           else train_step(batch, *on_device))  # the whole update: models.Update.train_step
             except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
                 self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
                 raise
@@ -918,11 +903,11 @@ class Checkpoints:
         """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
         trainer = self.trainer
         config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
-        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (tools.resume_checkpoint)
-            state, path, notes = tools.resume_checkpoint(self.path, config.device, self.KEYS)
+        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (storage.resume_checkpoint)
+            state, path, notes = storage.resume_checkpoint(self.path, config.device, self.KEYS)
         ranks.barrier()
         if not ranks.is_main:
-            state, path, notes = tools.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
+            state, path, notes = storage.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
         trainer.notes += [f"WARNING: {note}" for note in notes]
         stored = 0 if config.offline_traindir else storage.stored_steps(trainer.traindir)
         if state is None:
@@ -935,7 +920,7 @@ class Checkpoints:
                                      "fresh weights and the frame count continues from them")
             return False
         networks.split_merged_outputs(trainer.agent, state["agent"])
-        tools.check_fits(trainer.agent, state["agent"], path)
+        storage.check_fits(trainer.agent, state["agent"], path)
         saved_ranks = state.get("world_size", 1)
         if saved_ranks != ranks.world_size:
             raise tools.ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
@@ -984,8 +969,8 @@ class Checkpoints:
                 "world_size": ranks.world_size,
             }
         try:
-            tools.save_checkpoint(self.path, state)  # refuses non-finite values
-        except tools.CheckpointError:
+            storage.save_checkpoint(self.path, state)  # refuses non-finite values
+        except storage.CheckpointError:
             raise NonFiniteError(f"non-finite weights or optimizer state at update {trainer.counters.updates}; "
                                  f"the run stops without saving ({self.kept()})") from None
         self.saved_frames = trainer.frames
@@ -1195,11 +1180,11 @@ class RunLog:
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
     """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
-    state, path, notes = tools.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
+    state, path, notes = storage.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
     networks.split_merged_outputs(agent, state["agent"])
-    tools.check_fits(agent, state["agent"], path)
+    storage.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
     returns = [logs.episode_stats(e)["return"] for e in episodes]

@@ -568,17 +568,19 @@ def behavior_regions(behavior, optimizers, replay=False):
 
 
 class Update:
-    """One update of the world model and the task actor-critic, as the official Agent.loss reads:
+    """One update of every learner on a replayed batch, as the official Agent.loss reads:
     `train_step` in three parts, # World model, # Imagination and # Replay, whose terms are
     checked against the one table of loss scales (loss_scales) and their (B, T) shape, scaled and
-    summed. The update mode (config.update, UPDATES) decides only which optimizers step them: one
+    summed; then the exploration behaviour's own learners (Plan2Explore) from the same posteriors.
+    The update mode (config.update, UPDATES) decides only which optimizers step the terms: one
     per network for 'sequential' (the paper's order: the world model steps first, and imagination
     starts from its posteriors with its weights frozen), one for all for 'joint' (every term at
     the same parameters, the replay value loss training the representation too).
     """
 
-    def __init__(self, config, world_model, behavior):
+    def __init__(self, config, world_model, behavior, context, exploration=None):
         self.config, self.wm, self.behavior = config, world_model, behavior
+        self.context, self.exploration = context, exploration  # ReplayContext; None, or exploration.py's
         self.optimizers = UPDATES[config.update](config, world_model, behavior)  # {name: (Optimizer, terms)}
         self.sequential = "model" in self.optimizers
 
@@ -587,32 +589,37 @@ class Update:
         the slow critic's EMA."""
         return [(self.wm, "loss"), *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
 
-    def train_step(self, data, start=None):
-        """One update on a preprocessed batch (B, T, ...) from the latent `start` (see ReplayContext;
-        None: the initial state); returns the detached posterior, the embedding and the metrics."""
+    def train_step(self, batch, data=None):
+        """One update on a replayed batch (B, K + T, ...) of numpy arrays with K replay_context
+        steps (`data`: the same already on the device); returns tensor metrics. With K > 0 the
+        first K steps give only the start latent, and the training posteriors replace the batch's
+        latents of the T trained steps afterwards (ReplayContext.store), for the write-back."""
         config, wm, behavior, scales = self.config, self.wm, self.behavior, self.wm.scales
-        batch, length = data["is_first"].shape
+        data = wm.preprocess(batch if data is None else data)
+        latent, data = self.context.split(data)  # the stored start latent (None: the initial state)
+        size, length = data["is_first"].shape
         losses = {}
         with autocast(config):
             # World model
             with profiled("world_model"):
-                terms, post, embed, metrics = wm.loss(data, start)  # {term: (B, T)}
+                terms, post, embed, metrics = wm.loss(data, latent)  # {term: (B, T)}
             losses.update(terms)
             if self.sequential:  # the paper's order: the world model learns first, alone
                 metrics.update(step({"model": self.optimizers["model"]}, losses, scales))
             # Imagination: from every posterior state, with its continue flag.
-            starts = {k: v.detach().reshape(batch * length, *v.shape[2:]) for k, v in post.items()}
+            starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
+            starts_cont = data["cont"].reshape(-1)
             # The actor's dynamics gradient flows through the world model; its weights need none.
             with frozen(wm) if self.sequential else contextlib.nullcontext():
-                terms, returns, behavior_metrics = behavior.loss(starts, data["cont"].reshape(-1))
-            losses.update({k: v.unflatten(0, (batch, length)) for k, v in terms.items()})  # (N,) -> (B, T)
+                terms, returns, behavior_metrics = behavior.loss(starts, starts_cont)
+            losses.update({k: v.unflatten(0, (size, length)) for k, v in terms.items()})  # (N,) -> (B, T)
             # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones.
             if config.critic.repval:
                 feat = wm.rssm.get_feat(post)  # (B, T, F); under 'joint' with its graph
                 losses["repval"] = behavior.replay_loss(feat.detach() if self.sequential else feat, data,
-                                                        returns[0].detach().reshape(batch, length))
+                                                        returns[0].detach().reshape(size, length))
                 behavior_metrics["critic_repval_loss"] = losses["repval"].detach().mean()
-            check_terms(losses, scales, batch, length)
+            check_terms(losses, scales, size, length)
             rest = {name: group for name, group in self.optimizers.items() if name != "model"}
             with profiled("backward"):
                 metrics.update(step(rest, losses, scales))
@@ -621,7 +628,11 @@ class Update:
             for name, terms in (("model", wm.terms), ("actor", ("actor",)), ("critic", ("critic", "repval"))):
                 metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms).detach()
         metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
-        return {k: v.detach() for k, v in post.items()}, embed.detach(), metrics
+        post = {k: v.detach() for k, v in post.items()}
+        if self.exploration is not None:  # its own learners, from the same posteriors (B, T, ...)
+            metrics.update(self.exploration.train_step(starts, starts_cont, post, embed.detach(), data))
+        self.context.store(batch, post)
+        return metrics
 
 
 def behavior_step(behavior, optimizers, start, start_cont):

@@ -923,7 +923,7 @@ def time_agent(agent, obs_space, act_space, config, max_threads, gpu):
     def update_s(count):
         start = time.perf_counter()
         for _ in range(count):
-            agent.train_step(batch)
+            agent.update.train_step(batch)
         if gpu:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / count

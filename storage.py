@@ -6,23 +6,42 @@
    sequences, whose steps can be rewritten by id (the policy latents of models.ReplayContext).
 3. The prefetcher: the learner's batches sampled ahead into pinned memory and copied to the device
    without a stall, with the replay context's write-back applied to a batch sampled ahead.
+4. Checkpoint files: written so that a kill -9 at any instant leaves the newest complete one (the
+   previous one kept, non-finite ones refused), recovered after a kill, loaded without running code
+   from them (unsafe files refused), checked against the model; and the logdir's lock.
 
 Nothing here knows about the world model or the environments.
 """
 
 import collections
+import contextlib
 import datetime
 import io
 import os
 import pathlib
+import pickle
+import re
+import signal
 import sys
 import threading
 import uuid
+import warnings
 
 import numpy as np
 import torch
 
-from tools import WriteError, atomic_write_bytes, sync_folder, temp_files, total_updates
+from tools import (
+    ConfigError,
+    WriteError,
+    all_finite,
+    atomic_write_bytes,
+    fault_point,
+    sync_folder,
+    temp_files,
+    temp_path,
+    total_updates,
+    write_synced,
+)
 
 # ==================================================================================================
 # Episode files: whole, and in chunks while an episode runs
@@ -679,3 +698,299 @@ def overlay(batch, ids, length, written_ids, values):
                 for key, value in values.items():
                     value = value if isinstance(batch[key], torch.Tensor) else np.asarray(value)
                     batch[key][r, low - start:high - start] = value[q, low - first:high - first]
+
+
+# ==================================================================================================
+# Checkpoint files: written so that a kill leaves one whole, loaded without running code
+# ==================================================================================================
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: unreadable, unsafe to unpickle (`unsafe`), or with non-finite values."""
+
+    def __init__(self, message, unsafe=False):
+        super().__init__(message)
+        self.unsafe = unsafe
+
+
+def previous_path(path):
+    """Where `save_checkpoint` keeps the checkpoint it replaced: latest.pt -> previous.pt."""
+    return pathlib.Path(path).with_name("previous.pt")
+
+
+def save_checkpoint(path, state):
+    """Write `state` to `path` and keep the checkpoint it replaces as previous.pt, so that a kill -9
+    at any instant leaves the newest complete checkpoint findable: the state goes to a temporary
+    file (`temp_path`, flushed to disk), then latest.pt becomes previous.pt and the temporary file
+    latest.pt. A kill before the first rename leaves latest.pt as it was, after it only previous.pt
+    and the complete temporary file; `resume_checkpoint` promotes that one at the next start.
+    Non-finite weights are refused: they would replace the last good checkpoint.
+    """
+    if not all_finite(state):
+        raise CheckpointError("the state to save holds non-finite values")
+    path = pathlib.Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    tmp = temp_path(path)
+    try:
+        write_synced(tmp, buffer.getbuffer())
+    except BaseException as e:  # a full disk gets its space back; Ctrl-C leaves nothing either
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # named as the checkpoint, not its temporary file; nothing was replaced
+            raise WriteError(path, e) from None
+        raise
+    # Ctrl-C or SIGTERM between the renames would leave latest.pt in the temporary file; hold them until done.
+    signals = {signal.SIGINT, signal.SIGTERM}
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        if path.exists():
+            os.replace(path, previous_path(path))
+            fault_point("previous kept", path)
+        os.replace(tmp, path)
+        sync_folder(path.parent)
+        fault_point("replaced", path)
+    except OSError as e:  # renames need no space; a folder turned read-only can refuse them
+        raise WriteError(path, e) from None
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def _torch_reason(error):
+    """The line of a torch.load error that says what is wrong, without torch's advice around it
+    (which suggests weights_only=False, the one thing never to do with a refused file)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    advice = ("Weights only load failed", "(1)", "(2)", "In PyTorch", "Re-running", "Check the documentation",
+              "Please file an issue", "Please use", "This file can still be loaded")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(advice)] or lines
+    reason = lines[0] if lines else type(error).__name__
+    return reason.split(". ")[0].rstrip(".")[:200]  # its first sentence: what follows is advice again
+
+
+def pickle_globals(path):
+    """(the globals, as module.name, that the pickles of a checkpoint file ask to call or build,
+    whether every pickle was read to its end), found with pickletools, which runs nothing: the
+    .pkl members of a torch.save zip archive, or the file as one plain pickle."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                streams = [archive.read(name) for name in archive.namelist() if name.endswith(".pkl")]
+        else:
+            streams = [pathlib.Path(path).read_bytes()]
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return [], False
+    found, complete = [], bool(streams)
+    for data in streams:
+        strings, memo = [], {}
+        try:
+            for opcode, arg, _ in pickletools.genops(data):
+                name = opcode.name
+                if name in ("GLOBAL", "INST"):
+                    found.append(arg.replace(" ", "."))
+                elif name == "STACK_GLOBAL":
+                    found.append(".".join(map(str, strings[-2:])))
+                elif name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if name == "MEMOIZE" else arg] = strings[-1] if strings else None
+                elif name in ("GET", "BINGET", "LONG_BINGET"):
+                    strings.append(memo.get(arg))
+                elif isinstance(arg, str):
+                    strings.append(arg)
+        except Exception:  # noqa: BLE001 - a damaged or cut pickle: what was read so far is what it asked for
+            complete = False
+    return found, complete
+
+
+def _unsafe_globals(found):
+    """The globals among `found` that torch's weights-only loading does not allow."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        allowed = set(_get_allowed_globals())
+    except ImportError:  # another torch: its own message still decides (load_checkpoint)
+        allowed = {name for name in found if name.startswith(("torch.", "collections.OrderedDict"))}
+    return sorted({name for name in found if name not in allowed})
+
+
+def load_checkpoint(path, device="cpu", keys=()):
+    """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
+
+    Raises CheckpointError with the reason in one line: `unsafe` set for a file that asks to call
+    or build anything else (os.system, exec, eval, any class: someone made it so, and it is never
+    skipped), unset for a damaged one (empty, cut short, not a checkpoint, or a state without one
+    of `keys`).
+    """
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = _torch_reason(e)
+        found, complete = pickle_globals(path)
+        unsafe = _unsafe_globals(found)
+        if unsafe or "global" in reason.lower():  # either sign: torch's wording changes between versions
+            asks = f" ({', '.join(unsafe)})" if unsafe else ""
+            raise CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain "
+                                  f"data{asks}, which could run code; torch: {reason}", unsafe=True) from None
+        what = "cut short or damaged" if not complete else "not a checkpoint"
+        raise CheckpointError(f"cannot read {path}: {what} ({reason})") from None
+    except EOFError:
+        raise CheckpointError(f"cannot read {path}: empty or cut short (it ends early)") from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_torch_reason(e)}") from None
+    missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"cannot read {path}: incomplete, without {', '.join(map(repr, missing))}")
+    return state
+
+
+def load_checkpoint_or_previous(path, device="cpu", keys=()):
+    """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
+    damaged (load_checkpoint, with `keys`) or non-finite; (None, None, notes) when neither exists.
+    Reads only: a run beside training (--eval_only) uses it too.
+
+    A checkpoint that is unsafe to unpickle is an error, never skipped: someone changed the file.
+    """
+    path, notes = pathlib.Path(path), []
+    for candidate in (path, previous_path(path)):
+        if not candidate.exists():
+            if candidate == path and previous_path(path).exists():
+                notes.append(f"{path} is missing")
+            continue
+        try:
+            state = load_checkpoint(candidate, device, keys)
+        except CheckpointError as e:
+            if e.unsafe:
+                raise
+            notes.append(str(e))
+            continue
+        if not all_finite(state):
+            notes.append(f"{candidate} holds non-finite values")
+            continue
+        if candidate != path:
+            notes.append(f"using the previous checkpoint {candidate}")
+        return state, candidate, notes
+    if notes:
+        raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
+    return None, None, notes
+
+
+def recover_checkpoint(path, device="cpu", keys=()):
+    """After a kill -9 in `save_checkpoint`: promote the newest complete temporary file of `path`
+    (verified by loading it) to `path`, keeping the one it replaces as previous.pt as a save would,
+    and delete every other temporary file of `path`. Only the run that holds the logdir may call
+    it. Returns one line saying what it did, or None when there was nothing to do."""
+    path = pathlib.Path(path)
+    temps = [temp for temp, _ in temp_files(path.parent, path.name)]
+    if not temps:
+        return None
+    promoted, removed, size = None, 0, 0
+    for temp in reversed(temps):  # newest first: the first complete one is the save the kill cut short
+        if promoted is None:
+            try:
+                state = load_checkpoint(temp, device, keys)
+            except CheckpointError:
+                state = None
+            if state is not None and all_finite(state):
+                # Complete means written after latest.pt (the save writes it first): it replaces latest.pt.
+                if path.exists():
+                    os.replace(path, previous_path(path))
+                os.replace(temp, path)
+                promoted = temp
+                continue
+        size += temp.stat().st_size
+        temp.unlink()
+        removed += 1
+    sync_folder(path.parent)
+    done = [f"promoted the complete {promoted.name} to {path.name}"] if promoted else []
+    if removed:
+        done.append(f"removed {removed} incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
+    return f"Recovered from a kill during a checkpoint write: {' and '.join(done)}"
+
+
+def remove_temp_files(folder, but=()):
+    """Delete the temporary files (`temp_files`) in `folder` of every file but those named in `but`:
+    what a kill -9 left of rewrites such as config.yaml or metrics.jsonl, whose old version the
+    rename never replaced. Only the run that holds the logdir may call it. Returns one line, or None."""
+    found = [(temp, target) for temp, target in temp_files(folder) if target.name not in but]
+    for temp, _ in found:
+        temp.unlink()
+    if not found:
+        return None
+    names = sorted({target.name for _, target in found})
+    return (f"Removed {len(found)} temporary file(s) a kill left in {folder} (of {', '.join(names)}; each is as it "
+            "was before)")
+
+
+def resume_checkpoint(path, device="cpu", keys=()):
+    """What a training run resumes from: `recover_checkpoint` (and `remove_temp_files` for the other
+    files beside it), then `load_checkpoint_or_previous`. A damaged latest.pt is kept aside as
+    latest.pt.damaged, so that the next save does not make it previous.pt in place of the good one.
+    Returns (state, path it came from, notes)."""
+    path = pathlib.Path(path)
+    recovered = [line for line in (recover_checkpoint(path, device, keys),
+                                   remove_temp_files(path.parent, but=(path.name,))) if line]
+    state, used, notes = load_checkpoint_or_previous(path, device, keys)
+    if used is not None and used != path and path.exists():
+        damaged = path.with_name(path.name + ".damaged")
+        os.replace(path, damaged)
+        notes.append(f"kept the damaged {path.name} aside as {damaged.name}")
+    if notes:
+        notes = ["; ".join(notes)]  # one line
+    return state, used, recovered + notes
+
+
+class LogdirBusy(RuntimeError):
+    """Another live process holds the run's logdir."""
+
+
+def lock_logdir(logdir):
+    """Hold an exclusive lock on `logdir` for as long as the returned file stays open.
+
+    flock locks belong to the open file, so the kernel releases them when the holder exits in any
+    way, kill -9 included: a dead run never leaves its logdir locked. The holder's pid and host
+    are written into the file so a second run can name it.
+    """
+    import fcntl
+    import socket
+
+    f = (pathlib.Path(logdir) / "run.lock").open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown process"
+        f.close()
+        raise LogdirBusy(f"{logdir} is in use by another run ({holder}); wait for it to end or use another "
+                         "--logdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def check_fits(agent, saved, path):
+    """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
+    current = agent.state_dict()
+    differ = [k for k in current if k in saved and tuple(saved[k].shape) != tuple(current[k].shape)]
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if not (differ or missing or unexpected):
+        return
+    if differ:
+        key = differ[0]
+        example = f"{key} is {tuple(saved[key].shape)} there, {tuple(current[key].shape)} here"
+    else:
+        example = f"{(missing or unexpected)[0]} is only {'here' if missing else 'there'}"
+    raise ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
+                      f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
+                      "saved config.yaml or use another --logdir")

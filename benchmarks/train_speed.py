@@ -111,7 +111,7 @@ def kernel_launches(agent, batches, sync):
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for batch in batches:
-            agent.train_step(batch)
+            agent.update.train_step(batch)
         sync()
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
              "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -134,7 +134,7 @@ def compare(args, config, env, replay, length):
         agents[setting] = dreamer.Dreamer(env.obs_space, env.act_space, agent_config).to(config.device)
         start = time.perf_counter()
         for _ in range(args.warmup):
-            agents[setting].train_step(replay.sample(config.batch_size, length))
+            agents[setting].update.train_step(replay.sample(config.batch_size, length))
         sync()
         warmups[setting] = time.perf_counter() - start
         print(f"compile {compile_} precision {precision}: warm-up {warmups[setting]:.1f} s", file=sys.stderr,
@@ -145,7 +145,7 @@ def compare(args, config, env, replay, length):
         for setting in settings:
             start = time.perf_counter()
             for batch in batches:
-                metrics = agents[setting].train_step(batch)
+                metrics = agents[setting].update.train_step(batch)
             float(metrics["model_loss"])
             sync()
             times[setting].append((time.perf_counter() - start) / args.updates)
@@ -153,7 +153,7 @@ def compare(args, config, env, replay, length):
     calls = {}
     for setting in settings:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-            agents[setting].train_step(replay.sample(config.batch_size, length))
+            agents[setting].update.train_step(replay.sample(config.batch_size, length))
             sync()
         calls[setting] = leaf_operator_calls(profiler)
     print(f"task {config.task}  device {config.device}  threads {torch.get_num_threads()}  "
@@ -215,13 +215,13 @@ def main(argv=None):
     sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
     start = time.perf_counter()
     for _ in range(args.warmup):
-        agent.train_step(replay.sample(config.batch_size, length))
+        agent.update.train_step(replay.sample(config.batch_size, length))
     sync()
     warmup_s = time.perf_counter() - start
     batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
     start = time.perf_counter()
     for batch in batches:
-        metrics = agent.train_step(batch)
+        metrics = agent.update.train_step(batch)
     float(metrics["model_loss"])
     sync()
     seconds = (time.perf_counter() - start) / args.updates
@@ -236,7 +236,7 @@ def main(argv=None):
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             for batch in batches[:3]:
-                agent.train_step(batch)
+                agent.update.train_step(batch)
             sync()
         profiled = min(3, len(batches))
         split = phase_times(profiler, profiled)

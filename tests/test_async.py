@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -277,7 +278,7 @@ def test_kill_9_loses_at_most_unfinished_episodes_and_the_run_resumes(tmp_path):
         with np.load(path) as episode:
             assert episode["is_last"][-1] and episode["is_first"][0]  # only whole episodes are on disk
             stored += len(episode["reward"]) - 1
-    state, _, _ = tools.load_checkpoint_or_previous(tmp_path / "latest.pt")
+    state, _, _ = storage.load_checkpoint_or_previous(tmp_path / "latest.pt")
     counters = state["counters"]
     # The checkpoint's frame, plus the steps of the episodes stored after it (action repeat 2).
     frame = 2 * (counters["policy_steps"] + stored - counters["stored_steps"])

@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = tools.load_presets()
@@ -115,13 +116,13 @@ def test_a_checkpoint_with_merged_output_layers_fits_and_loads_into_the_parts(sp
     agent = make_agent(spaces)
     old = merged_state(agent)
     with pytest.raises(tools.ConfigError, match="does not fit"):
-        tools.check_fits(agent, dict(old), "latest.pt")  # what resuming such a run met before the cut
+        storage.check_fits(agent, dict(old), "latest.pt")  # what resuming such a run met before the cut
     fresh = make_agent(spaces)
     with torch.no_grad():
         for p in fresh.parameters():
             p.add_(1.0)  # differs from agent everywhere
     assert networks.split_merged_outputs(fresh, old) == 2  # the decoder's vector keys and the actor
-    tools.check_fits(fresh, old, "latest.pt")
+    storage.check_fits(fresh, old, "latest.pt")
     fresh.load_state_dict(old)
     for (name, a), b in zip(agent.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name

@@ -142,7 +142,7 @@ def updates(request):
     initial = copy.deepcopy(eager.state_dict())
     reference.load_state_dict(copy.deepcopy(initial))
     torch.manual_seed(1)  # the same latent and action samples in every update
-    metrics = eager.train_step(batch)
+    metrics = eager.update.train_step(batch)
     results = {"eager": (eager, {k: float(v) for k, v in metrics.items()}), "flags": flags, "initial": initial,
                "batch": batch}
     torch.manual_seed(1)
@@ -159,7 +159,7 @@ def compiled(updates):
     agent, _ = make_agent_and_batch(True, *updates["flags"])
     agent.load_state_dict(copy.deepcopy(updates["initial"]))
     torch.manual_seed(1)
-    metrics = agent.train_step(updates["batch"])
+    metrics = agent.update.train_step(updates["batch"])
     yield agent, {k: float(v) for k, v in metrics.items()}
     torch._inductor.config.fallback_random = False
 
@@ -250,7 +250,7 @@ def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
     assert not models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
     agent, batch = make_agent_and_batch(False, "--precision", "16")  # on DEVICE: float16 and scaling on CUDA
     assert agent.optimizers()["model"].scaler.is_enabled() is (torch.device(DEVICE).type == "cuda")
-    metrics = agent.train_step(batch)
+    metrics = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
 
 
@@ -278,7 +278,7 @@ def test_compiled_networks_never_hit_the_recompile_limit():
             True, "--encoder.mlp_keys", ".*", "--decoder.mlp_keys", ".*", "--encoder.mlp_layers", "2",
             "--decoder.mlp_layers", "2", "--expl_behavior", "plan2explore")
         for _ in range(2):
-            agent.train_step(batch)
+            agent.update.train_step(batch)
         obs, state = {k: v[:, 0] for k, v in batch.items()}, None
         for mode in ("train", "explore", "eval"):
             _, state = agent.policy(obs, state, mode)

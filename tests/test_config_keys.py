@@ -635,7 +635,7 @@ class FirstUpdate(Exception):
 def first_update(logdir, *flags):
     """Run dreamer.main until its first update; return that update's batch, metrics and whether
     deterministic algorithms were on."""
-    seen, train_step = {}, dreamer.Dreamer.train_step
+    seen, train_step = {}, models.Update.train_step
 
     def recording(self, batch):
         metrics = train_step(self, batch)
@@ -645,7 +645,7 @@ def first_update(logdir, *flags):
         raise FirstUpdate
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dreamer.Dreamer, "train_step", recording)
+        patch.setattr(models.Update, "train_step", recording)
         with pytest.raises(FirstUpdate):
             dreamer.main(["--configs", "debug", "--logdir", str(logdir), "--steps", "1000", "--eval_episode_num",
                           "0", "--batch_size", "3", "--batch_length", "7", *flags])

@@ -147,7 +147,7 @@ def test_a_term_added_to_a_loss_reaches_both_update_modes(update, monkeypatch):
         agent, env = make_agent(*flags)
         batch = batch_for(agent, env)
         torch.manual_seed(2)
-        metrics = agent.train_step(batch)
+        metrics = agent.update.train_step(batch)
         results[name] = (metrics, agent.wm.heads["reward"].out.bias.detach().clone(),
                          agent.task_behavior.critic.out.bias.detach().clone())
     metrics = results["patched"][0]
@@ -162,10 +162,10 @@ def test_slow_critic_and_prefix_are_applied_once_per_update_in_both_modes():
         agent, env = make_agent(*flags)
         batch = batch_for(agent, env)
         before = int(agent.task_behavior.updates)
-        agent.train_step(batch)
+        agent.update.train_step(batch)
         assert int(agent.task_behavior.updates) == before + 1, flags
     agent, env = make_agent("--expl_behavior", "plan2explore")
-    metrics = agent.train_step(batch_for(agent, env))
+    metrics = agent.update.train_step(batch_for(agent, env))
     assert "expl_actor_loss" in metrics and "actor_loss" in metrics
     assert int(agent.expl_behavior.behavior.updates) == 1 and int(agent.task_behavior.updates) == 1
 
@@ -178,6 +178,33 @@ def test_the_update_reads_in_the_official_three_parts():
     marks = [source.index(f"# {part}") for part in ("World model", "Imagination", "Replay")]
     assert marks == sorted(marks)
     assert "check_terms(losses" in source[marks[-1]:]
+
+
+def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
+    """A reader follows main -> run_processes -> Trainer.train -> the loop (or the pretraining) ->
+    Trainer.update -> models.Update.train_step -> WorldModel.loss: recorded from a real run, in the
+    pretraining and in the synchronous loop."""
+    import sys
+
+    chains, loss = [], models.WorldModel.loss
+
+    def recording(self, *args, **kwargs):
+        frame, names = sys._getframe(1), []
+        while frame.f_code.co_name != "main" or not frame.f_code.co_filename.endswith("dreamer.py"):
+            names.append(frame.f_code.co_qualname)
+            frame = frame.f_back
+        chains.append(names[::-1])
+        return loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(models.WorldModel, "loss", recording)
+    dreamer.main(["--configs", "debug", "--device", "cpu", "--prefill", "50", "--pretrain", "1", "--steps", "80",
+                  "--eval_episode_num", "0", "--video_pred_log", "False", "--compile", "False",
+                  "--logdir", str(tmp_path / "run")])
+    assert len(chains) >= 2
+    loop = ["run_processes", "Trainer.train", "SyncLoop.run", "Trainer.update", "Update.train_step"]
+    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", "Update.train_step"]
+    assert chains[0] == pretrain, chains[0]
+    assert all(chain == loop for chain in chains[1:]), chains
 
 
 @pytest.mark.parametrize("update", ["sequential", "joint"])
@@ -193,7 +220,7 @@ def test_a_term_of_the_wrong_shape_or_without_a_scale_fails_the_update(update, m
 
     monkeypatch.setattr(models.ActorCritic, "loss", per_step)
     with pytest.raises((AssertionError, RuntimeError), match="actor|shape"):
-        agent.train_step(batch)
+        agent.update.train_step(batch)
     monkeypatch.undo()
 
     def extra(self, start, start_cont):
@@ -202,7 +229,7 @@ def test_a_term_of_the_wrong_shape_or_without_a_scale_fails_the_update(update, m
 
     monkeypatch.setattr(models.ActorCritic, "loss", extra)
     with pytest.raises(KeyError, match=r"loss terms \['entropy'\] have no scale"):
-        agent.train_step(batch_for(agent, env))
+        agent.update.train_step(batch_for(agent, env))
 
 
 def test_optimizers_follow_the_update_mode():

@@ -84,7 +84,7 @@ def make_batch(size, seed):
 
 def update(agent, batch):
     """One train_step; (metrics as floats, parameters and buffers, averaged gradients)."""
-    metrics = agent.train_step(batch)
+    metrics = agent.update.train_step(batch)
     state = {k: v.detach().clone() for k, v in agent.state_dict().items()}
     grads = {k: p.grad.clone() for k, p in agent.named_parameters() if p.grad is not None}
     return {k: float(v) for k, v in metrics.items()}, state, grads
@@ -104,7 +104,7 @@ def worker(out):
         half = {k: v[ranks.rank * BATCH:(ranks.rank + 1) * BATCH] for k, v in make_batch(2 * BATCH, 0).items()}
         metrics, state, grads = update(agent, half)
         for i in range(MORE):
-            agent.train_step(make_batch(BATCH, 10 * ranks.rank + i + 1))
+            agent.update.train_step(make_batch(BATCH, 10 * ranks.rank + i + 1))
         later = {k: v.detach().clone() for k, v in agent.state_dict().items()}
         torch.save({"metrics": metrics, "state": state, "grads": grads, "later": later},
                    out / f"{name}{ranks.rank}.pt")

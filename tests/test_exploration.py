@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dreamer
-import tools
+import storage
 from envs import wrappers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -279,7 +279,7 @@ def runs(tmp_path_factory):
     processes = {b: launch(root / b, b, 80) for b in ("greedy", "random", "plan2explore")}
     outputs = {b: finish(p) for b, p in processes.items()}
     first = read_metrics(root / "plan2explore")
-    first_state = tools.load_checkpoint(root / "plan2explore" / "latest.pt")
+    first_state = storage.load_checkpoint(root / "plan2explore" / "latest.pt")
     outputs["resumed"] = finish(launch(root / "plan2explore", "plan2explore", 160))
     return {"root": root, "outputs": outputs, "first": first, "first_state": first_state}
 
@@ -292,7 +292,7 @@ EXPL_METRICS = ("expl/ensemble_loss", "expl/intr_reward_mean", "expl/intr_reward
 def test_debug_run_with_each_behavior(behavior, runs):
     logdir = runs["root"] / behavior
     metrics = runs["first"] if behavior == "plan2explore" else read_metrics(logdir)
-    state = runs["first_state"] if behavior == "plan2explore" else tools.load_checkpoint(logdir / "latest.pt")
+    state = runs["first_state"] if behavior == "plan2explore" else storage.load_checkpoint(logdir / "latest.pt")
     logged = {k for line in metrics for k in line}
     assert metrics[-1]["step"] >= 80 and "eval/return" in logged and "world_model/model_loss" in logged
     assert "actor/actor_loss" in logged  # the task actor-critic trains under every behaviour
@@ -321,7 +321,7 @@ def test_resume_continues_plan2explore(runs):
     later = [line for line in metrics if line["step"] > first_end]
     assert later and all(k in later[-1] for k in EXPL_METRICS)
     # Counters and the exploration actor-critic's own update count went on from the checkpoint.
-    state = tools.load_checkpoint(logdir / "latest.pt")
+    state = storage.load_checkpoint(logdir / "latest.pt")
     assert state["counters"]["updates"] > runs["first_state"]["counters"]["updates"]
     assert int(state["agent"]["expl_behavior.behavior.updates"]) == state["counters"]["updates"]
     assert set(state["optimizers"]["expl"]) == {"ensemble", "behavior"}

@@ -26,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import logs  # noqa: E402
+import models  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
@@ -133,7 +134,7 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(run_copy, capsys):
     assert not (run_copy / "previous.pt").exists()
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "60")  # more steps: it continues
     assert code == 0 and "Run: resumed from frame 40" in out, err
-    assert tools.load_checkpoint(run_copy / "latest.pt")["counters"]["policy_steps"] * 2 == 60
+    assert storage.load_checkpoint(run_copy / "latest.pt")["counters"]["policy_steps"] * 2 == 60
 
 
 # -- 7. non-finite values: the promised line ----------------------------------------------------------
@@ -143,16 +144,16 @@ def test_non_finite_actor_weights_stop_with_one_line_naming_the_learner(run_copy
     """torch.distributions refuses the NaN parameters that NaN weights give, inside the update or the
     policy, before any loss is checked: that too is the one line, naming the learner."""
     before = (run_copy / "latest.pt").read_bytes()
-    train_step = dreamer.Dreamer.train_step
+    train_step = models.Update.train_step
 
     def poisoned(self, *args):
         metrics = train_step(self, *args)
         with torch.no_grad():
-            for p in self.task_behavior.actor.parameters():
+            for p in self.behavior.actor.parameters():
                 p.fill_(float("nan"))
         return metrics
 
-    monkeypatch.setattr(dreamer.Dreamer, "train_step", poisoned)
+    monkeypatch.setattr(models.Update, "train_step", poisoned)
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     line = one_error_line(err)
     assert code == 1 and "non-finite actor" in line and "weights" in line, err
@@ -274,7 +275,7 @@ def temps(folder):
 
 
 def frame_of(path):
-    return tools.load_checkpoint(path)["counters"]["policy_steps"] * 2
+    return storage.load_checkpoint(path)["counters"]["policy_steps"] * 2
 
 
 def resumed(logdir):
@@ -339,7 +340,7 @@ def test_a_kill_in_an_episode_chunk_write_leaves_no_temporary_file_and_keeps_eve
 
 def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_every_other(tmp_path):
     path = tmp_path / "latest.pt"
-    tools.save_checkpoint(path, {"step": torch.tensor(1)})
+    storage.save_checkpoint(path, {"step": torch.tensor(1)})
     complete, cut, older = (tmp_path / f".latest.pt.{n:08x}.tmp" for n in (1, 2, 3))
     buffer = io.BytesIO()
     torch.save({"step": torch.tensor(2)}, buffer)
@@ -353,22 +354,22 @@ def test_recovery_promotes_only_a_complete_temporary_checkpoint_and_removes_ever
     other = tmp_path / ".previous.pt.00000001.tmp"  # not a temporary file of latest.pt's own naming
     other.write_bytes(b"")
     size = sum(p.stat().st_size for p in (older, cut, nested))
-    line = tools.recover_checkpoint(path)
+    line = storage.recover_checkpoint(path)
     assert line == ("Recovered from a kill during a checkpoint write: promoted the complete .latest.pt.00000001.tmp to "
                     f"latest.pt and removed 3 incomplete or older temporary checkpoint file(s) ({size / 1e6:.3g} MB)")
-    assert int(tools.load_checkpoint(path)["step"]) == 3
-    assert int(tools.load_checkpoint(tmp_path / "previous.pt")["step"]) == 1
+    assert int(storage.load_checkpoint(path)["step"]) == 3
+    assert int(storage.load_checkpoint(tmp_path / "previous.pt")["step"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [".previous.pt.00000001.tmp", "latest.pt", "previous.pt"]
-    assert tools.recover_checkpoint(path) is None  # nothing left to do
+    assert storage.recover_checkpoint(path) is None  # nothing left to do
 
 
 def test_the_start_removes_the_temporary_files_of_the_logdirs_other_rewrites(tmp_path):
     path = tmp_path / "latest.pt"
-    tools.save_checkpoint(path, {"step": torch.tensor(1)})
+    storage.save_checkpoint(path, {"step": torch.tensor(1)})
     (tmp_path / "config.yaml").write_text("task: x\n")
     for name in (".config.yaml.0000abcd.tmp", ".metrics.jsonl.00001234.tmp"):
         (tmp_path / name).write_text("cut")
-    state, used, notes = tools.resume_checkpoint(path)
+    state, used, notes = storage.resume_checkpoint(path)
     assert int(state["step"]) == 1 and used == path
     assert notes == [f"Removed 2 temporary file(s) a kill left in {tmp_path} (of config.yaml, metrics.jsonl; each is "
                      "as it was before)"]
@@ -416,7 +417,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_previous_with_one_line(run_co
     elif damage == "cut":
         latest.write_bytes(data[:len(data) // 2])
     else:
-        state = tools.load_checkpoint(latest)
+        state = storage.load_checkpoint(latest)
         torch.save({k: v for k, v in state.items() if k != "optimizers"} if damage == "no optimizers" else [1], latest)
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     assert code == 0 and "Traceback" not in err, err
@@ -442,7 +443,7 @@ class Payload:
 def test_a_checkpoint_torch_refuses_as_unsafe_stops_the_run_with_one_line(run_copy, capsys, how):
     marker = run_copy.parent / "ran"
     latest = run_copy / "latest.pt"
-    state = tools.load_checkpoint(latest)
+    state = storage.load_checkpoint(latest)
     payload = {"os.system": Payload(os.system, f"touch {marker}"),
                "exec": Payload(exec, f"open({str(marker)!r}, 'w')"),
                "eval": Payload(eval, f"open({str(marker)!r}, 'w')"),

@@ -25,6 +25,7 @@ from steering import Steering  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import parallel  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = tools.load_presets()
@@ -119,7 +120,7 @@ def learn(recipe, seed, logdir):
         dreamer.main(flags(recipe, *LEARN, *FASTER[recipe], "--seed", str(seed), "--logdir", str(logdir)))
     config = dreamer.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
-    agent.load_state_dict(tools.load_checkpoint(logdir / "latest.pt")["agent"])
+    agent.load_state_dict(storage.load_checkpoint(logdir / "latest.pt")["agent"])
     return agent
 
 
@@ -249,7 +250,7 @@ def test_a_run_stopped_at_an_update_boundary_and_resumed_ends_as_the_straight_ru
         dreamer.main(resume_flags(recipe, split, 50))
     dreamer.main(resume_flags(recipe, split, 90))
     assert "resumed from frame 50" in capsys.readouterr().out
-    a, b = (tools.load_checkpoint(logdir / "latest.pt") for logdir in (straight, split))
+    a, b = (storage.load_checkpoint(logdir / "latest.pt") for logdir in (straight, split))
     assert a["counters"]["updates"] > 30
     assert_same_state(a, b)
     assert_same_rows(metrics(straight), metrics(split))
@@ -309,7 +310,7 @@ def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(rec
     losses = {key: [] for key in ("model_loss", "state_loss", "reward_loss")}
     for i in range(32):
         torch.manual_seed(i % 4)
-        metrics = agent.train_step(batches[i % 4])
+        metrics = agent.update.train_step(batches[i % 4])
         for key, values in losses.items():
             values.append(float(metrics[key]))
     for key, values in losses.items():
@@ -330,7 +331,7 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
     logdir = tmp_path / "run"
     argv = ["--asynchronous", "True", "--ratio_tolerance", "2", "--eval_episode_num", "0"]
     dreamer.main(resume_flags("v1", logdir, 50) + argv)
-    saved = tools.load_checkpoint(logdir / "latest.pt")
+    saved = storage.load_checkpoint(logdir / "latest.pt")
     assert saved["counters"]["policy_steps"] == 50 and saved["counters"]["updates"] > 10
     loaded = {}
     restore = dreamer.Checkpoints.restore
@@ -351,7 +352,7 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
         assert_same_state(saved[key], loaded[key], key)
     assert loaded["train"] == saved["schedules"]["train"]
     assert loaded["replay"] == 5 * 11  # five whole 10-step episodes, each with its first step
-    end = tools.load_checkpoint(logdir / "latest.pt")
+    end = storage.load_checkpoint(logdir / "latest.pt")
     updates = end["counters"]["updates"]
     assert end["counters"]["policy_steps"] == 90 and updates > saved["counters"]["updates"]
     optimizers = end["optimizers"]

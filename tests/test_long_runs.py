@@ -57,7 +57,7 @@ def main(capsys, *args):
 
 def resumed_frame(logdir, traindir=None):
     """The frame a rerun resumes from: the checkpoint's, plus every step stored after it (x2: action_repeat)."""
-    state, _, _ = tools.load_checkpoint_or_previous(logdir / "latest.pt")
+    state, _, _ = storage.load_checkpoint_or_previous(logdir / "latest.pt")
     counters = state["counters"]
     return 2 * (counters["policy_steps"] + storage.stored_steps(traindir or logdir / "train_eps")
                 - counters["stored_steps"])
@@ -247,16 +247,16 @@ def failing_fsync(match, code=errno.ENOSPC):
 
 def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behind(tmp_path, monkeypatch):
     path = tmp_path / "latest.pt"
-    tools.save_checkpoint(path, {"step": 1})
+    storage.save_checkpoint(path, {"step": 1})
     monkeypatch.setattr(os, "fsync", failing_fsync(lambda name: True))
     with pytest.raises(tools.WriteError) as error:
-        tools.save_checkpoint(path, {"step": 2})
+        storage.save_checkpoint(path, {"step": 2})
     assert str(error.value) == f"cannot write {path}: No space left on device (errno 28)"
     assert error.value.hint == "free space and rerun to resume"
     with pytest.raises(tools.WriteError, match=r"episodes/.*-5\.npz: No space left"):
         storage.save_episode(tmp_path / "episodes", episode(0, 5))
     monkeypatch.undo()
-    assert tools.load_checkpoint(path)["step"] == 1 and not tools.previous_path(path).exists()
+    assert storage.load_checkpoint(path)["step"] == 1 and not storage.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
     readonly = tools.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     assert readonly.hint == "make it writable and rerun to resume"
@@ -296,14 +296,14 @@ def test_a_run_without_evaluation_checkpoints_on_the_clock_and_resumes_after_kil
     finally:
         process.kill()  # kill -9
         process.wait()
-    state, _, _ = tools.load_checkpoint_or_previous(logdir / "latest.pt")
+    state, _, _ = storage.load_checkpoint_or_previous(logdir / "latest.pt")
     assert state["counters"]["policy_steps"] > 0 and not (logdir / "eval_eps").exists()
     frame = resumed_frame(logdir)
     assert frame >= 2 * state["counters"]["policy_steps"]
     code, out, err = main(capsys, *SHORT, "--save_every", "0", "--logdir", str(logdir), "--steps", str(frame + 20))
     assert code == 0, err
     assert f"resumed from frame {frame}" in out
-    assert tools.load_checkpoint(logdir / "latest.pt")["counters"]["policy_steps"] * 2 == frame + 20
+    assert storage.load_checkpoint(logdir / "latest.pt")["counters"]["policy_steps"] * 2 == frame + 20
 
 
 # -- runs: kill -9 mid-episode keeps every full chunk -----------------------------------------------------
@@ -395,7 +395,7 @@ def test_sigterm_to_a_torchrun_group_saves_once_ends_every_rank_and_resumes(tmp_
     assert err.count("Stopped by SIGTERM; rerun the same command to resume.") == 2, err[-3000:]  # both ranks
     assert "Not saved" not in err and "dreamer.py\", line" not in err  # (torchrun prints a traceback of its own)
     assert not (logdir / "previous.pt").exists()  # one save: the stop's
-    state = tools.load_checkpoint(logdir / "latest.pt")
+    state = storage.load_checkpoint(logdir / "latest.pt")
     assert state["world_size"] == 2 and state["counters"]["policy_steps"] > 0
     frame = 2 * state["counters"]["policy_steps"]
     # Each rank's stored steps at the save are those on disk: nothing was written after it.
@@ -405,7 +405,7 @@ def test_sigterm_to_a_torchrun_group_saves_once_ends_every_rank_and_resumes(tmp_
                             env=environment(), cwd=ROOT, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(f"resumed from frame {frame}") == 1
-    assert tools.load_checkpoint(logdir / "latest.pt")["counters"]["policy_steps"] * 2 == frame + 40
+    assert storage.load_checkpoint(logdir / "latest.pt")["counters"]["policy_steps"] * 2 == frame + 40
 
 
 # -- runs: a full disk or read-only logdir at each of the three writes ------------------------------------------
@@ -463,7 +463,7 @@ def test_a_stop_in_the_prefill_saves_and_the_rerun_finishes_the_prefill_and_pret
     flags = [*SHORT, "--prefill", "60", "--pretrain", "2", "--steps", "80", "--logdir", str(logdir)]
     code, _, err = main(capsys, *flags)
     assert code == 130, err
-    counters = tools.load_checkpoint(logdir / "latest.pt")["counters"]
+    counters = storage.load_checkpoint(logdir / "latest.pt")["counters"]
     assert (counters["policy_steps"], counters["updates"]) == (4, 0)
     monkeypatch.undo()
     code, out, err = main(capsys, *flags)

@@ -13,7 +13,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import storage  # noqa: E402
-import tools  # noqa: E402
 
 K, T, B = 1, 6, 8  # replay context steps, trained steps, batch size
 
@@ -180,7 +179,7 @@ def test_a_run_trains_the_same_with_batches_sampled_ahead(tmp_path, monkeypatch)
     init = storage.Prefetcher.__init__
     monkeypatch.setattr(storage.Prefetcher, "__init__", lambda self, *args, **kwargs: init(self, *args, ahead=True))
     dreamer.main([*common, "--logdir", str(tmp_path / "ahead")])
-    plain, ahead = (tools.load_checkpoint(tmp_path / name / "latest.pt") for name in ("plain", "ahead"))
+    plain, ahead = (storage.load_checkpoint(tmp_path / name / "latest.pt") for name in ("plain", "ahead"))
     assert plain["counters"]["updates"] == ahead["counters"]["updates"] > 10
     for (key, a), b in zip(plain["agent"].items(), ahead["agent"].values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=key)

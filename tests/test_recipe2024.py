@@ -481,11 +481,11 @@ def test_small_sizes_have_the_official_count_and_train_one_update(size):
     # The latents replay_context 1 stores with each step (zeros: the initial state).
     batch.update({k: np.zeros((2, 3, *shape), dtype) for k, (shape, dtype) in agent.context.spec.items()})
     before = [p.detach().clone() for p in agent.wm.parameters()]
-    metrics = agent.train_step(batch)
+    metrics = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
     # Warm-up: the first update has learning rate 0, so nothing moves yet.
     assert all(torch.equal(a, b) for a, b in zip(before, agent.wm.parameters()))
-    agent.train_step(batch)
+    agent.update.train_step(batch)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.wm.parameters()))
 
 
@@ -631,7 +631,7 @@ def test_critic_repval_adds_the_weighted_replay_value_loss_to_the_critic():
     for repval in (0.0, 0.3):
         agent, batch = vector_setup("--critic.repval", str(repval))
         torch.manual_seed(1)
-        losses[repval] = agent.train_step(batch)
+        losses[repval] = agent.update.train_step(batch)
     assert "critic_repval_loss" not in losses[0.0]
     repval = losses[0.3]["critic_repval_loss"].item()
     assert repval > 0
@@ -669,7 +669,7 @@ def test_joint_update_is_one_laprop_step_on_the_sum_of_all_losses():
     agent, batch = vector_setup(*JOINT)
     reference = copy.deepcopy(agent)
     torch.manual_seed(5)
-    agent.train_step(batch)
+    agent.update.train_step(batch)
     # Written out: all losses at the starting parameters, one gradient, one LaProp + AGC step.
     torch.manual_seed(5)
     data = reference.wm.preprocess(batch)
@@ -706,7 +706,7 @@ def test_update_decides_whether_the_replay_value_loss_trains_the_world_model(upd
         agent, batch = vector_setup("--update", update, *flags, "--critic.repval", repval)
         torch.manual_seed(5)
         for _ in range(2):  # a first LaProp step is sign(gradient): magnitudes show from the second on
-            agent.train_step(batch)
+            agent.update.train_step(batch)
         after[repval] = [p.detach().clone() for p in agent.wm.parameters()]
     same = all(torch.equal(a, b) for a, b in zip(after["0.0"], after["0.3"]))
     assert same == (update == "sequential")

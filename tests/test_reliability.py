@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
+import models  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
@@ -68,14 +69,14 @@ def trainer_for(logdir):
 
 def test_non_finite_loss_ends_the_run_with_one_line_and_keeps_the_checkpoint(run_copy, capsys, monkeypatch):
     before = (run_copy / "latest.pt").read_bytes()
-    train_step = dreamer.Dreamer.train_step
+    train_step = models.Update.train_step
 
     def poisoned(self, batch):
         metrics = train_step(self, batch)
         metrics["model_loss"] = metrics["model_loss"] * float("nan")
         return metrics
 
-    monkeypatch.setattr(dreamer.Dreamer, "train_step", poisoned)
+    monkeypatch.setattr(models.Update, "train_step", poisoned)
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     assert code == 1
     lines = err.strip().splitlines()
@@ -90,7 +91,7 @@ def test_an_exception_during_training_saves_nothing(run_copy, monkeypatch):
     def out_of_memory(self, batch):
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(dreamer.Dreamer, "train_step", out_of_memory)
+    monkeypatch.setattr(models.Update, "train_step", out_of_memory)
     with pytest.raises(MemoryError):
         dreamer.main([*SHORT, "--logdir", str(run_copy), "--steps", "80"])
     assert (run_copy / "latest.pt").read_bytes() == before
@@ -99,24 +100,24 @@ def test_an_exception_during_training_saves_nothing(run_copy, monkeypatch):
 
 def test_saves_keep_the_previous_checkpoint_and_loading_falls_back_to_it(tmp_path):
     path = tmp_path / "latest.pt"
-    tools.save_checkpoint(path, {"w": torch.ones(2), "step": 1})
-    tools.save_checkpoint(path, {"w": torch.ones(2), "step": 2})
-    assert tools.load_checkpoint(tools.previous_path(path))["step"] == 1
-    with pytest.raises(tools.CheckpointError, match="non-finite"):
-        tools.save_checkpoint(path, {"w": torch.tensor([1.0, float("inf")]), "step": 3})
-    assert tools.load_checkpoint(path)["step"] == 2  # the refused save replaced nothing
-    state, used, notes = tools.load_checkpoint_or_previous(path)
+    storage.save_checkpoint(path, {"w": torch.ones(2), "step": 1})
+    storage.save_checkpoint(path, {"w": torch.ones(2), "step": 2})
+    assert storage.load_checkpoint(storage.previous_path(path))["step"] == 1
+    with pytest.raises(storage.CheckpointError, match="non-finite"):
+        storage.save_checkpoint(path, {"w": torch.tensor([1.0, float("inf")]), "step": 3})
+    assert storage.load_checkpoint(path)["step"] == 2  # the refused save replaced nothing
+    state, used, notes = storage.load_checkpoint_or_previous(path)
     assert (state["step"], used, notes) == (2, path, [])
     for damage in (b"garbage", None):  # unreadable, then non-finite
         if damage is None:
             torch.save({"w": torch.tensor([float("nan")]), "step": 9}, path)
         else:
             path.write_bytes(damage)
-        state, used, notes = tools.load_checkpoint_or_previous(path)
+        state, used, notes = storage.load_checkpoint_or_previous(path)
         assert state["step"] == 1 and used == tmp_path / "previous.pt"
         assert notes[-1] == f"using the previous checkpoint {used}"
     path.unlink()  # a kill between the two renames of a save
-    state, used, notes = tools.load_checkpoint_or_previous(path)
+    state, used, notes = storage.load_checkpoint_or_previous(path)
     assert state["step"] == 1 and "is missing" in notes[0]
 
 
@@ -182,7 +183,7 @@ def test_start_up_summary_counts_skipped_episodes(run_copy, capsys):
 # -- 3. one run per logdir ------------------------------------------------------------------------------
 
 # Another run as the kernel sees it: a process holding flock on run.lock (without the cost of
-# importing torch; tools.lock_logdir's own pid line is checked below).
+# importing torch; storage.lock_logdir's own pid line is checked below).
 HOLD_LOCK = """
 import fcntl, os, socket, sys, time
 f = open(os.path.join(sys.argv[1], "run.lock"), "a+")
@@ -208,9 +209,9 @@ def test_a_second_run_stops_with_one_line_and_a_killed_holder_leaves_no_lock(run
     finally:
         holder.kill()  # kill -9: the kernel releases the lock
         holder.wait()
-    lock = tools.lock_logdir(run_copy)
-    with pytest.raises(tools.LogdirBusy, match=f"pid {os.getpid()} on"):
-        tools.lock_logdir(run_copy)
+    lock = storage.lock_logdir(run_copy)
+    with pytest.raises(storage.LogdirBusy, match=f"pid {os.getpid()} on"):
+        storage.lock_logdir(run_copy)
     lock.close()
 
 
@@ -227,7 +228,7 @@ class Malicious:
 
 def test_a_crafted_checkpoint_runs_nothing_and_says_why(run_copy, capsys):
     marker = run_copy.parent / "pwned"
-    state = tools.load_checkpoint(run_copy / "latest.pt")
+    state = storage.load_checkpoint(run_copy / "latest.pt")
     state["counters"]["note"] = Malicious(marker)
     torch.save(state, run_copy / "latest.pt")
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--eval_only", "--eval_episode_num", "1")
@@ -235,8 +236,8 @@ def test_a_crafted_checkpoint_runs_nothing_and_says_why(run_copy, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "could run code" in err, err
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "refusing to load" in err, err
-    with pytest.raises(tools.CheckpointError, match="refusing to load"):
-        tools.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
+    with pytest.raises(storage.CheckpointError, match="refusing to load"):
+        storage.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
     assert not marker.exists()
 
 
@@ -251,7 +252,7 @@ def test_changed_optimizer_settings_apply_on_resume_and_are_reported(run_copy, c
     for change in ("model lr 0.0001 -> 0.0003", "actor eps 1e-05 -> 1e-06", "critic lr 3e-05 -> 2e-05",
                    "model weight_decay 0 -> 0.1"):
         assert change in line
-    saved = tools.load_checkpoint(run_copy / "latest.pt")["optimizers"]
+    saved = storage.load_checkpoint(run_copy / "latest.pt")["optimizers"]
     assert saved["model"]["opt"]["param_groups"][0]["lr"] == pytest.approx(3e-4)
     assert saved["model"]["opt"]["param_groups"][0]["weight_decay"] == pytest.approx(0.1)
     assert saved["task"]["actor"]["opt"]["param_groups"][0]["eps"] == pytest.approx(1e-6)
@@ -302,13 +303,13 @@ def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
     assert process.returncode == 143, err
     assert "Traceback" not in err
     assert err.strip().splitlines() == ["Stopped by SIGTERM; rerun the same command to resume."]
-    state = tools.load_checkpoint(logdir / "latest.pt")
+    state = storage.load_checkpoint(logdir / "latest.pt")
     assert state["counters"]["policy_steps"] >= 10 and state["counters"]["stored_steps"] >= 10
 
 
 def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch):
     """Ctrl-C raises KeyboardInterrupt wherever the main thread is; here in the third update."""
-    train_step, calls = dreamer.Dreamer.train_step, []
+    train_step, calls = models.Update.train_step, []
 
     def interrupted(self, batch):
         calls.append(1)
@@ -316,11 +317,11 @@ def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch
             raise KeyboardInterrupt
         return train_step(self, batch)
 
-    monkeypatch.setattr(dreamer.Dreamer, "train_step", interrupted)
+    monkeypatch.setattr(models.Update, "train_step", interrupted)
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "400")
     assert code == 130 and err.strip().splitlines() == ["Stopped by Ctrl-C; rerun the same command to resume."]
-    state = tools.load_checkpoint(run_copy / "latest.pt")
-    assert state["counters"]["updates"] > tools.load_checkpoint(run_copy / "previous.pt")["counters"]["updates"]
+    state = storage.load_checkpoint(run_copy / "latest.pt")
+    assert state["counters"]["updates"] > storage.load_checkpoint(run_copy / "previous.pt")["counters"]["updates"]
 
 
 # -- 6. every bad value is one line ---------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_training_starts_from_the_stored_latent_and_returns_its_posteriors(updat
     stored = copy.deepcopy(batch)
     reference = copy.deepcopy(agent)
     torch.manual_seed(3)
-    agent.train_step(batch)
+    agent.update.train_step(batch)
     # Written out: the posterior of steps 1 .. 4, filtered from the latent stored with step 0 and
     # the action stored with each step (the one that led to it), at the parameters before the update.
     torch.manual_seed(3)
@@ -153,9 +153,9 @@ def test_an_episode_start_inside_the_sequence_resets_the_stored_latent():
     other["latent_stoch"][:, 0] = other["latent_stoch"][:, 0, :, ::-1]
     a, b = copy.deepcopy(agent), copy.deepcopy(agent)
     torch.manual_seed(4)
-    a.train_step(batch)
+    a.update.train_step(batch)
     torch.manual_seed(4)
-    b.train_step(other)
+    b.update.train_step(other)
     np.testing.assert_array_equal(batch["latent_deter"][:, 1:], other["latent_deter"][:, 1:])
 
 
@@ -175,7 +175,7 @@ def test_plan2explore_trains_on_the_sequence_after_the_context():
         return loss(post, embed, action, is_first)
 
     agent.expl_behavior.ensemble_loss = recorded
-    metrics = agent.train_step(batch)
+    metrics = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
     k, length = config.replay_context, batch["action"].shape[1]
     assert seen["post"]["deter"].shape[:2] == seen["embed"].shape[:2] == (2, length - k)
@@ -272,7 +272,7 @@ def test_collector_stores_the_policy_latent_with_the_step_it_acted_on(tmp_path):
 @pytest.mark.slow  # in-process training runs
 def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatch):
     samples, updates, batches = [], [], []
-    sample, update, train_step = storage.Replay.sample, storage.Replay.update, dreamer.Dreamer.train_step
+    sample, update, train_step = storage.Replay.sample, storage.Replay.update, models.Update.train_step
 
     def recording_sample(self, batch, length, ids=False, **kwargs):
         out = sample(self, batch, length, ids, **kwargs)
@@ -292,7 +292,7 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
 
     monkeypatch.setattr(storage.Replay, "sample", recording_sample)
     monkeypatch.setattr(storage.Replay, "update", recording_update)
-    monkeypatch.setattr(dreamer.Dreamer, "train_step", recording_train_step)
+    monkeypatch.setattr(models.Update, "train_step", recording_train_step)
     logdir = tmp_path / "run"
     common = ["--configs", "debug", "recipe2024", "--eval_episode_num", "0", "--time_limit", "20",
               "--batch_size", "3", "--batch_length", "6", "--logdir", str(logdir)]
@@ -306,6 +306,6 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
     assert any(np.abs(batch["latent_deter"][:, 0]).sum() > 0 for batch in batches)  # stored latents were used
     episodes = sorted((logdir / "train_eps").glob("*.npz"))
     assert episodes and all("latent_deter" in np.load(f) for f in episodes)
-    first = tools.load_checkpoint(logdir / "latest.pt")["counters"]["updates"]
+    first = storage.load_checkpoint(logdir / "latest.pt")["counters"]["updates"]
     dreamer.main([*common, "--steps", "100", "--asynchronous", "True"])
-    assert tools.load_checkpoint(logdir / "latest.pt")["counters"]["updates"] > first
+    assert storage.load_checkpoint(logdir / "latest.pt")["counters"]["updates"] > first

@@ -154,7 +154,7 @@ def run_updates(agent, batches):
     metrics = []
     for batch in batches:
         torch.manual_seed(len(metrics))  # both agents draw the same latents and actions
-        values = agent.train_step(copy.deepcopy(batch))
+        values = agent.update.train_step(copy.deepcopy(batch))
         metrics.append({k: float(v) for k, v in values.items()})
     grads = {name: p.grad.clone() for name, p in agent.named_parameters() if p.grad is not None}
     params = {name: p.detach().clone() for name, p in agent.named_parameters()}
@@ -298,7 +298,7 @@ def test_no_value_is_read_back_to_the_host_inside_an_update(compared, monkeypatc
     reads.calls.clear()
     # A batch of tensors, as a replay on the device gives it: the replay context's latents for the
     # write-back stay tensors too (a host replay's batch takes them back as numpy arrays).
-    compiled.train_step(batch, data)
+    compiled.update.train_step(batch, data)
     assert reads.calls == [], case
 
 
