@@ -6,8 +6,9 @@ It reads top to bottom in the order a run goes: `main` parses and checks the com
 (`setup`), takes the logdir's lock, sizes the resources (parallel.Resources), builds the
 environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
 agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `AsyncLoop`) collects
-and learns; then its `Checkpoints`, its `RunLog` (logs and evaluation), --eval_only, the start-up
-summary, and last the run's own flag tables. Rerunning the same command resumes.
+and learns; then its `Checkpoints`, its `RunLog` and its `Evaluation`, each built from what it
+reads, not from the Trainer; --eval_only, the start-up summary, and last the run's own flag
+tables. Rerunning the same command resumes.
 
 The config machinery lives in tools.py (Configuration), episode files and the replay in
 storage.py, logging and progress in logs.py, experience collection and resource sizing in
@@ -114,7 +115,7 @@ def setup(argv):
     check_offline_traindir(config)
     warnings_ = []
     if (logdir / "config.yaml").exists():
-        warnings_ = tools.compare_saved_config(config, logdir / "config.yaml", BUDGET_KEYS)
+        warnings_ = tools.compare_saved_config(config, logdir / "config.yaml", FREE_ON_RESUME)
     checkpoint = logdir / "latest.pt"
     if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
@@ -513,8 +514,8 @@ class StoredEpisodes:
 class Trainer:
     """Owns a run's replay, counters and schedules; `train()` is the main loop.
 
-    Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`) and logs and evaluation (`RunLog`)
-    are components of their own.
+    Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`), logs (`RunLog`) and
+    evaluation (`Evaluation`) are components of their own, built from the parts they read.
     Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
     own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
     schedules are the same on all of them, so that each makes the same updates. The main process
@@ -539,8 +540,10 @@ class Trainer:
         if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
             raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
                                     f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
-        self.checkpoints = Checkpoints(self, logdir / "latest.pt")
-        self.resumed = self.checkpoints.resume()
+        self.checkpoints = Checkpoints(logdir / "latest.pt", config, agent, self.counters, self.schedules,
+                                       self.replay, self.ranks)
+        self.resumed, notes = self.checkpoints.resume(None if config.offline_traindir else self.traindir)
+        self.notes += notes
         # Every rank counts the frames of the rank that stored the most (they differ only after a
         # kill -9), so that all run the same number of iterations.
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
@@ -552,7 +555,9 @@ class Trainer:
         stops = tools.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
         self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
-        self.run_log = RunLog(self)
+        self.run_log = RunLog(config, logdir, agent, self.counters, self.ranks, self.tasks, self.replay,
+                              self.collector, self.checkpoints.kept)
+        self.evaluation = Evaluation(config, agent, eval_envs, self.evaldir, self.eval_replay, self.ranks)
         self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
 
     @property
@@ -576,17 +581,46 @@ class Trainer:
     # -- the components' entry points, for the loops and tests ---------------------------------------
 
     progress = property(lambda self: self.run_log.progress)
-    evaluates = property(lambda self: self.run_log.evaluates)
+    evaluates = property(lambda self: self.evaluation.enabled)
 
     def save(self):
-        self.checkpoints.save()
+        self.run_log.check_losses()
+        with self.loop.between_steps():  # counters, schedules and episodes on disk agree
+            self.count_episodes()
+            if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
+                self.counters.stored_steps = storage.stored_steps(self.traindir)
+            state = self.checkpoints.state()
+        self.checkpoints.write(state)
         self.agreement.saved()
 
+    def save_on_interrupt(self):
+        if self.checkpoints.saved_at == (self.frames, self.counters.updates):  # a stop the ranks agreed on saved
+            return
+        if self.ranks.world_size > 1:
+            # A second signal: saving gathers from every rank, and each stopped at its own point.
+            print(f"Not saved: a second signal stops every rank at once ({self.checkpoints.kept()}).",
+                  file=sys.stderr, flush=True)
+            return
+        try:
+            self.save()
+        except (NonFiniteError, tools.WriteError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+
     def log(self):
-        self.run_log.log()
+        self.run_log.check_losses()
+        self.count_episodes()
+        busy = {f"{name}_busy" if name in ("learner", "env") else name: value
+                for name, value in self.stopwatch.fractions().items()}
+        self.run_log.log({**busy, **self.loop.stats()})
 
     def evaluate(self):
-        self.run_log.evaluate()
+        try:
+            mean_return = self.evaluation.run(self.run_log.logger)
+        except ValueError as e:  # as in collect
+            self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
+            raise
+        if mean_return is not None:
+            self.progress.update(self.frames, eval_return=mean_return)
 
     # -- acting and learning ------------------------------------------------------------------------
 
@@ -682,7 +716,7 @@ class Trainer:
                 self.save()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
-            self.checkpoints.save_on_interrupt()
+            self.save_on_interrupt()
             raise
         except tools.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
             raise tools.WriteError(e.path, e, self.checkpoints.kept()) from None
@@ -882,55 +916,61 @@ LOOPS = {False: SyncLoop, True: AsyncLoop}  # by config.asynchronous
 
 
 class Checkpoints:
-    """A Trainer's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
+    """A run's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
 
-    A save holds the agent, optimizers, counters, schedules and the random state of every rank
-    (gathered on the main process, which alone writes). Non-finite values are never saved.
+    A save holds the agent and its optimizers, the counters, the schedules and the random state of
+    every rank, the replay's sampler included (gathered on the main process, which alone writes).
+    Non-finite values are never saved.
     """
 
-    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")  # what save() writes and restore() reads
+    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")  # what state() holds and restore() reads
 
-    def __init__(self, trainer, path):
-        self.trainer, self.path = trainer, path
+    def __init__(self, path, config, agent, counters, schedules, replay, ranks):
+        self.path, self.config, self.agent, self.counters = path, config, agent, counters
+        self.schedules, self.replay, self.ranks = schedules, replay, ranks
         self.saved_frames = None  # frame of the checkpoint on disk
         self.saved_at = None  # (frames, updates) of the last save of this run
+
+    @property
+    def frames(self):
+        return self.counters.policy_steps * self.config.action_repeat
 
     def kept(self):
         """What a refused save leaves on disk, for its error message."""
         return f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
 
-    def resume(self):
-        """Load the checkpoint (or the previous one) and count every stored frame; False for a new run."""
-        trainer = self.trainer
-        config, counters, ranks = trainer.config, trainer.counters, trainer.ranks
+    def resume(self, traindir):
+        """Load the checkpoint (or the previous one) and count every frame stored in `traindir` (None:
+        offline, nothing stored). Returns (whether it resumed, lines for the start-up summary)."""
+        config, counters, ranks = self.config, self.counters, self.ranks
         if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (storage.resume_checkpoint)
-            state, path, notes = storage.resume_checkpoint(self.path, config.device, self.KEYS)
+            state, path, found = storage.resume_checkpoint(self.path, config.device, self.KEYS)
         ranks.barrier()
         if not ranks.is_main:
-            state, path, notes = storage.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
-        trainer.notes += [f"WARNING: {note}" for note in notes]
-        stored = 0 if config.offline_traindir else storage.stored_steps(trainer.traindir)
+            state, path, found = storage.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
+        notes = [f"WARNING: {note}" for note in found]
+        stored = 0 if traindir is None else storage.stored_steps(traindir)
         if state is None:
             counters.stored_steps = stored
             # Episodes of a run killed before its first checkpoint count towards the budget.
             counters.policy_steps = stored
             if stored:
-                trainer.notes.append(f"WARNING: no checkpoint in {trainer.logdir}, but {trainer.traindir} holds "
-                                     f"{stored * config.action_repeat} frames of episodes: training starts from "
-                                     "fresh weights and the frame count continues from them")
-            return False
-        networks.split_merged_outputs(trainer.agent, state["agent"])
-        storage.check_fits(trainer.agent, state["agent"], path)
+                notes.append(f"WARNING: no checkpoint in {self.path.parent}, but {traindir} holds "
+                             f"{stored * config.action_repeat} frames of episodes: training starts from "
+                             "fresh weights and the frame count continues from them")
+            return False, notes
+        networks.split_merged_outputs(self.agent, state["agent"])
+        storage.check_fits(self.agent, state["agent"], path)
         saved_ranks = state.get("world_size", 1)
         if saved_ranks != ranks.world_size:
             raise tools.ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
-                              f"{ranks.world_size}: resuming with another number of processes is not "
-                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
-                              "or another --logdir")
+                                    f"{ranks.world_size}: resuming with another number of processes is not "
+                                    f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
+                                    "or another --logdir")
         changes = self.restore(state)
-        self.saved_frames = trainer.frames
+        self.saved_frames = self.frames
         if changes:
-            trainer.notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
+            notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
         # After a kill -9, episodes and chunks written after the checkpoint are in replay; their
         # frames were spent, so the budget counts them (the steps of a running episode not yet in a
         # chunk at the save, at most chunk_size per environment, may count twice).
@@ -940,67 +980,52 @@ class Checkpoints:
         counters.stored_steps = stored
         if extra > 0:
             counters.policy_steps += extra
-            trainer.notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
-                                 f"checkpoint (frame {self.saved_frames})")
-        return True
+            notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
+                         f"checkpoint (frame {self.saved_frames})")
+        return True, notes
 
-    def save(self):
-        trainer = self.trainer
-        trainer.run_log.check_losses()
-        schedules, ranks = trainer.schedules, trainer.ranks
-        with trainer.loop.between_steps():  # counters, schedules and episodes on disk agree
-            trainer.count_episodes()
-            if trainer.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
-                trainer.counters.stored_steps = storage.stored_steps(trainer.traindir)
-            # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-            own = ranks.gather_object({"rng": tools.rng_state(trainer.replay.rng),
-                                       "stored_steps": trainer.counters.stored_steps})
-            if not ranks.is_main:
-                self.saved_frames, self.saved_at = trainer.frames, (trainer.frames, trainer.counters.updates)
-                return
-            state = {
-                "agent": trainer.agent.state_dict(),
-                "optimizers": trainer.agent.optimizer_state(),
-                "counters": dict(vars(trainer.counters)),
-                "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
-                              "eval": schedules["eval"].last},
-                "rng": own[0]["rng"],
-                "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
-                "world_size": ranks.world_size,
-            }
+    def state(self):
+        """What a save writes, gathered from every rank (call it on all of them at once): the state on
+        the main process, None on the others, which write nothing."""
+        counters, schedules, ranks = self.counters, self.schedules, self.ranks
+        # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
+        own = ranks.gather_object({"rng": tools.rng_state(self.replay.rng), "stored_steps": counters.stored_steps})
+        if not ranks.is_main:
+            self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
+            return None
+        return {
+            "agent": self.agent.state_dict(),
+            "optimizers": self.agent.optimizer_state(),
+            "counters": dict(vars(counters)),
+            "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
+                          "eval": schedules["eval"].last},
+            "rng": own[0]["rng"],
+            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
+            "world_size": ranks.world_size,
+        }
+
+    def write(self, state):
+        """Write `state` (from state(); None on a rank other than the main one: nothing to do)."""
+        if state is None:
+            return
         try:
             storage.save_checkpoint(self.path, state)  # refuses non-finite values
         except storage.CheckpointError:
-            raise NonFiniteError(f"non-finite weights or optimizer state at update {trainer.counters.updates}; "
+            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
                                  f"the run stops without saving ({self.kept()})") from None
-        self.saved_frames = trainer.frames
-        self.saved_at = (trainer.frames, trainer.counters.updates)
-
-    def save_on_interrupt(self):
-        trainer = self.trainer
-        if self.saved_at == (trainer.frames, trainer.counters.updates):  # a stop the ranks agreed on saved already
-            return
-        if trainer.ranks.world_size > 1:
-            # A second signal: saving gathers from every rank, and each stopped at its own point.
-            print(f"Not saved: a second signal stops every rank at once ({self.kept()}).", file=sys.stderr,
-                  flush=True)
-            return
-        try:
-            self.save()
-        except (NonFiniteError, tools.WriteError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        self.saved_frames = self.frames
+        self.saved_at = (self.frames, self.counters.updates)
 
     def restore(self, state):
         """Returns the optimizer settings of this config that replaced differing saved ones."""
-        trainer = self.trainer
-        trainer.agent.load_state_dict(state["agent"])
-        changes = trainer.agent.load_optimizer_state(state["optimizers"])
-        vars(trainer.counters).update(state["counters"])
-        trainer.schedules["train"].load_state_dict(state["schedules"]["train"])
-        trainer.schedules["log"].last = state["schedules"]["log"]
-        trainer.schedules["eval"].last = state["schedules"]["eval"]
-        rank = trainer.ranks.rank
-        tools.set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], trainer.replay.rng)
+        self.agent.load_state_dict(state["agent"])
+        changes = self.agent.load_optimizer_state(state["optimizers"])
+        vars(self.counters).update(state["counters"])
+        self.schedules["train"].load_state_dict(state["schedules"]["train"])
+        self.schedules["log"].last = state["schedules"]["log"]
+        self.schedules["eval"].last = state["schedules"]["eval"]
+        rank = self.ranks.rank
+        tools.set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], self.replay.rng)
         return changes
 
 
@@ -1022,25 +1047,28 @@ def raise_interrupted(signum, frame):
 
 
 class RunLog:
-    """A Trainer's logs and evaluation: the logger and progress display, the update metrics
-    averaged per log, the episodes finished since then, and the end on a non-finite loss.
-    Only the main process writes logs (the others get a NullLogger) and evaluates."""
+    """A run's logs: the logger and progress display, the update metrics averaged per log, the
+    episodes finished since then, and the end on a non-finite loss. Only the main process writes
+    logs (the others get a NullLogger). `kept` says what the checkpoint on disk holds (Checkpoints.kept)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, config, logdir, agent, counters, ranks, tasks, replay, collector, kept):
+        self.config, self.logdir, self.agent, self.counters, self.ranks = config, logdir, agent, counters, ranks
+        self.tasks, self.replay, self.collector, self.kept = tasks, replay, collector, kept
         self.metrics = {}  # name: [value per update since the last log]
         self.recent_episodes = []
         self.logger = self.progress = None  # made by open(), at the start of training
-        self.last_log = (time.time(), trainer.counters.policy_steps, trainer.counters.updates)
+        self.last_log = (time.time(), counters.policy_steps, counters.updates)
+
+    @property
+    def frames(self):
+        return self.counters.policy_steps * self.config.action_repeat
 
     def open(self):
-        trainer = self.trainer
-        config = trainer.config
-        self.logger = (logs.Logger(trainer.logdir, trainer.frames, config.logger, config.to_dict())
-                       if trainer.ranks.is_main else logs.NullLogger())
-        self.logger.text("config", "```\n" + json.dumps(trainer.config.to_dict(), indent=2) + "\n```",
-                         trainer.frames)
-        self.progress = logs.Progress(trainer.config.steps, trainer.frames)
+        config = self.config
+        self.logger = (logs.Logger(self.logdir, self.frames, config.logger, config.to_dict())
+                       if self.ranks.is_main else logs.NullLogger())
+        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
+        self.progress = logs.Progress(config.steps, self.frames)
 
     def close(self):
         self.progress.close()
@@ -1055,19 +1083,17 @@ class RunLog:
         stats = logs.episode_stats(episode)
         self.logger.scalar("train/return", stats["return"])
         self.logger.scalar("train/length", stats["length"])
-        tasks = self.trainer.tasks
-        if len(tasks) > 1:  # beside the mean over all tasks
-            task = next(iter(logs.by_task(tasks, [episode])))
+        if len(self.tasks) > 1:  # beside the mean over all tasks
+            task = next(iter(logs.by_task(self.tasks, [episode])))
             self.logger.scalar(f"train/{task}/return", stats["return"])
             self.logger.scalar(f"train/{task}/length", stats["length"])
-        self.progress.update(self.trainer.frames, train_return=stats["return"])
+        self.progress.update(self.frames, train_return=stats["return"])
 
-    def log(self):
-        self.check_losses()
-        trainer = self.trainer
-        config, counters = trainer.config, trainer.counters
-        trainer.count_episodes()
-        now, steps, frames = time.time(), counters.policy_steps, trainer.frames
+    def log(self, perf):
+        """Write the metrics since the last log, with `perf` ({name: fraction or count}: the learner's
+        and the environments' busy time and the loop's own figures) under perf/."""
+        config, counters = self.config, self.counters
+        now, steps, frames = time.time(), counters.policy_steps, self.frames
         for key, values in self.metrics.items():
             self.logger.scalar(logs.metric_name(key), torch.stack(values).float().mean())
         self.metrics.clear()
@@ -1075,28 +1101,26 @@ class RunLog:
         fps = (steps - self.last_log[1]) * config.action_repeat / seconds
         updates_per_s = (counters.updates - self.last_log[2]) / seconds
         for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
-                           ("replay_steps", len(trainer.replay))):
+                           ("replay_steps", len(self.replay))):
             self.logger.scalar(f"perf/{key}", value)
         if steps > self.last_log[1]:  # replayed steps per policy step since the last log
             ratio = (counters.updates - self.last_log[2]) * tools.replayed_per_update(config)
             self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
-        busy = {f"{name}_busy" if name in ("learner", "env") else name: value
-                for name, value in trainer.stopwatch.fractions().items()}
-        for key, value in {**busy, **trainer.loop.stats()}.items():
+        for key, value in perf.items():
             self.logger.scalar(f"perf/{key}", value)
         self.logger.scalar("train/episodes", counters.episodes)
-        if trainer.collector is not None:
-            self.logger.scalar("train/dropped_episodes", trainer.collector.dropped)
+        if self.collector is not None:
+            self.logger.scalar("train/dropped_episodes", self.collector.dropped)
             self.log_env_status()
-        logs.log_episode_metrics(self.logger, "train", trainer.tasks, self.recent_episodes)
+        logs.log_episode_metrics(self.logger, "train", self.tasks, self.recent_episodes)
         self.log_task_frames(frames)
         self.recent_episodes.clear()
-        if self.films_predictions(trainer.replay):
-            batch = trainer.agent.wm.preprocess(trainer.replay.sample(6, config.batch_length))
-            self.logger.video("train/openl", trainer.agent.wm.video_pred(batch))
+        if films_predictions(config, self.agent, self.ranks, self.replay):
+            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
+            self.logger.video("train/openl", self.agent.wm.video_pred(batch))
         self.logger.write(frames)
-        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=busy["learner_busy"],
-                             env_busy=busy["env_busy"])
+        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=perf["learner_busy"],
+                             env_busy=perf["env_busy"])
         self.progress.log(frames)
         self.last_log = (now, steps, counters.updates)
 
@@ -1104,56 +1128,22 @@ class RunLog:
         """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
         read against single-task runs at the same frames per task (benchmarks/plot.py does). Exact:
         every environment steps once per policy step, and every rank spreads its environments alike."""
-        trainer = self.trainer
-        if len(trainer.tasks) < 2 or trainer.collector is None:
+        if len(self.tasks) < 2 or self.collector is None:
             return
-        counts = collections.Counter(trainer.collector.tasks)
-        for index, task in enumerate(trainer.tasks):
-            self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(trainer.collector.tasks))
+        counts = collections.Counter(self.collector.tasks)
+        for index, task in enumerate(self.tasks):
+            self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(self.collector.tasks))
 
     def log_env_status(self):
         """What each environment is doing: scalars env/<i>/... in the metrics, and, when the progress
         goes to a log file, one line for all of them (env_status_line)."""
-        collector = self.trainer.collector
-        rows = collector.status()
+        rows = self.collector.status()
         for i, row in enumerate(rows):
             for key, value in row.items():
                 if np.isfinite(value):
                     self.logger.scalar(f"env/{i}/{key}", value)
         if not self.progress.interactive:
             print(logs.env_status_line(rows), flush=True)
-
-    @property
-    def evaluates(self):
-        """Whether the run evaluates (the same on every rank; only the main one has eval_envs)."""
-        trainer = self.trainer
-        return trainer.config.eval_episode_num > 0 and (bool(trainer.eval_envs) or not trainer.ranks.is_main)
-
-    def evaluate(self):
-        trainer = self.trainer
-        config = trainer.config
-        if not trainer.eval_envs:  # another rank than the main one: it waits at the save that follows
-            return
-        try:
-            episodes = parallel.run_episodes(trainer.agent, trainer.eval_envs, config.eval_episode_num,
-                                             trainer.evaldir)
-        except ValueError as e:  # as in Trainer.collect
-            trainer.raise_non_finite(e, f"in an evaluation at frame {trainer.frames}")
-            raise
-        for episode in episodes:
-            trainer.eval_replay.add_episode(storage.strip_logs(episode))
-        returns = logs.log_evaluation(self.logger, episodes, config)
-        if self.films_predictions(trainer.eval_replay):
-            batch = trainer.agent.wm.preprocess(trainer.eval_replay.sample(6, config.batch_length))
-            self.logger.video("eval/openl", trainer.agent.wm.video_pred(batch))
-        self.progress.update(trainer.frames, eval_return=float(np.mean(returns)))
-
-    def films_predictions(self, replay):
-        """Open-loop videos need an image decoder and a full sequence to show."""
-        trainer = self.trainer
-        config = trainer.config
-        return (trainer.ranks.is_main and config.video_pred_log
-                and bool(trainer.agent.wm.heads["decoder"].cnn_shapes) and replay.ready(config.batch_length))
 
     def check_losses(self):
         """End the run on a non-finite loss among the updates since the last log. Checked here and
@@ -1166,11 +1156,47 @@ class RunLog:
             bad = (~torch.isfinite(values.float())).nonzero()
             if len(bad):
                 index = int(bad[0])
-                first[key] = (self.trainer.counters.updates - len(values) + index + 1, float(values[index]))
+                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
         key = min(first, key=lambda k: first[k][0])
         update, value = first[key]
         raise NonFiniteError(f"non-finite {logs.metric_name(key)} ({value}) at update {update}; the run stops "
-                             f"without saving ({self.trainer.checkpoints.kept()})")
+                             f"without saving ({self.kept()})")
+
+
+def films_predictions(config, agent, ranks, replay):
+    """Open-loop videos (the main process alone writes them) need an image decoder and a full sequence to show."""
+    return (ranks.is_main and config.video_pred_log and bool(agent.wm.heads["decoder"].cnn_shapes)
+            and replay.ready(config.batch_length))
+
+
+class Evaluation:
+    """Evaluation during training, every eval_every frames: eval_episode_num episodes of the
+    evaluation policy on the main process's evaluation environments, stored in `evaldir` and in
+    the evaluation replay (`replay`, which the open-loop video samples)."""
+
+    def __init__(self, config, agent, eval_envs, evaldir, replay, ranks):
+        self.config, self.agent, self.envs, self.evaldir, self.replay = config, agent, eval_envs, evaldir, replay
+        self.ranks = ranks
+
+    @property
+    def enabled(self):
+        """Whether the run evaluates (the same on every rank; only the main one has evaluation environments)."""
+        return self.config.eval_episode_num > 0 and (bool(self.envs) or not self.ranks.is_main)
+
+    def run(self, logger):
+        """The episodes, logged; returns their mean return (None on another rank than the main one,
+        which waits at the save that follows)."""
+        config = self.config
+        if not self.envs:
+            return None
+        episodes = parallel.run_episodes(self.agent, self.envs, config.eval_episode_num, self.evaldir)
+        for episode in episodes:
+            self.replay.add_episode(storage.strip_logs(episode))
+        returns = logs.log_evaluation(logger, episodes, config)
+        if films_predictions(config, self.agent, self.ranks, self.replay):
+            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
+            logger.video("eval/openl", self.agent.wm.video_pred(batch))
+        return float(np.mean(returns))
 
 
 # ==================================================================================================
@@ -1324,11 +1350,12 @@ RUN_RANGES = {
 RANGES = {**networks.RANGES, **models.RANGES, **exploration.RANGES, **RUN_RANGES}
 
 
-# Keys that may differ between a run and its resumption without a warning.
-BUDGET_KEYS = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-               "parallel", "env_failure", "env_timeout", "compile", "replay_device", "video_pred_log", "asynchronous",
-               "actor_sync_every", "ratio_tolerance", "save_every", "chunk_size", "logger", "wandb.project",
-               "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
+# Keys that may differ between a run and its resumption without a warning: the run's own (its
+# budget, schedules, device and loop), and those each module declares beside its readers.
+RUN_FREE_ON_RESUME = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
+                      "replay_device", "video_pred_log", "asynchronous", "actor_sync_every", "ratio_tolerance",
+                      "save_every", "chunk_size")
+FREE_ON_RESUME = (*RUN_FREE_ON_RESUME, *parallel.FREE_ON_RESUME, *models.FREE_ON_RESUME, *logs.FREE_ON_RESUME)
 
 
 def parse(argv, presets=None):

@@ -1048,6 +1048,10 @@ COMPILERS = {True: compile_steps, False: None, "update": compile_update}
 # Choices and their `auto` values
 # ==================================================================================================
 
+# Keys this module reads that may differ between a run and its resumption without a warning
+# (dreamer.FREE_ON_RESUME): compiling computes the same update.
+FREE_ON_RESUME = ("compile",)
+
 # The choices this module owns, checked once when the config is parsed (tools.parse).
 CHOICES = {
     "precision": PRECISIONS,

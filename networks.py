@@ -268,6 +268,8 @@ class Actor(nn.Module):
     def __init__(self, inp, actions, config, units, act, norm):  # config: the actor group
         super().__init__()
         self.kind = config.dist
+        if self.kind not in ACTOR_DISTS:  # 'auto' is settled before any network is built (models.resolve_auto)
+            raise ValueError(f"actor.dist '{self.kind}' has no distribution; valid: {', '.join(ACTOR_DISTS)}")
         self.mlp = MLP(inp, config.layers, units, act, norm)
         learned = self.kind == "normal" and config.std == "learned"
         # mean and std are separate layers (each clipped by its own norm), one layer otherwise
@@ -283,6 +285,7 @@ class Actor(nn.Module):
     def dist(self, x):
         if self.kind == "onehot":
             return tools.OneHot(x, self.unimix)
+        assert self.kind == "normal", self.kind  # the only other kind (ACTOR_DISTS, checked at construction)
         if self.learned_std:
             mean, std = x.chunk(2, -1)
             std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
@@ -623,6 +626,8 @@ class RSSM(nn.Module):
         self.stoch, self.discrete, self.deter = config.dyn_stoch, config.dyn_discrete, config.dyn_deter
         self.unimix, self.rec_depth = config.unimix_ratio, config.dyn_rec_depth
         self.mean_act, self.std_act, self.min_std = config.dyn_mean_act, config.dyn_std_act, config.dyn_min_std
+        if self.mean_act not in MEAN_ACTS:
+            raise ValueError(f"dyn_mean_act '{self.mean_act}' has no bound; valid: {', '.join(MEAN_ACTS)}")
         self.initial_mode = config.initial
         stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
         hidden, act, norm = config.dyn_hidden, config.act, config.norm
@@ -654,7 +659,7 @@ class RSSM(nn.Module):
             logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
             return {"logit": tools.unimix_logits(logit, self.unimix)}
         mean, std = x.chunk(2, -1)
-        if self.mean_act == "tanh5":
+        if self.mean_act == "tanh5":  # else "none" (checked at construction)
             mean = 5.0 * torch.tanh(mean / 5.0)
         std = STD_ACTS[self.std_act](std)
         return {"mean": mean, "std": std + self.min_std}
@@ -761,11 +766,13 @@ class RSSM(nn.Module):
         return tools.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])
 
 
-# How the RSSM bounds the standard deviation of Gaussian latents (dyn_std_act).
+# How the RSSM bounds the mean (dyn_mean_act) and the standard deviation (dyn_std_act) of Gaussian latents.
+MEAN_ACTS = ("none", "tanh5")
 STD_ACTS = {"softplus": nn.functional.softplus, "abs": lambda s: (s + 1.0).abs(),
             "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}
 IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encoder.cnn
 VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vector_dist
+ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
 # The choices this module owns, checked once when the config is parsed (tools.parse); the
 # constructors take them on trust.
@@ -779,12 +786,12 @@ CHOICES = {
     "winit": WINITS,
     "initial": ("learned", "zeros"),
     "dyn_cell": ("gru", "blockgru"),
-    "dyn_mean_act": ("none", "tanh5"),
+    "dyn_mean_act": MEAN_ACTS,
     "dyn_std_act": tuple(STD_ACTS),
     "encoder.cnn": tuple(IMAGE_ENCODERS),
     "decoder.cnn": ("transposed", "upsample"),
     "decoder.vector_dist": tuple(VECTOR_DISTS),
-    "actor.dist": ("auto", "normal", "onehot"),  # auto: settled by models.resolve_auto
+    "actor.dist": ("auto", *ACTOR_DISTS),  # auto: settled by models.resolve_auto
 }
 
 # The network bodies models.compile_steps compiles: every body a preset builds. Heads and the

@@ -335,6 +335,24 @@ def test_every_range_is_declared_by_one_module():
     assert set(networks.RANGES) >= {"dyn_deter", "units", "encoder.cnn_keys"}
 
 
+def test_every_key_free_on_resume_is_declared_by_one_module(tmp_path, capsys):
+    """The keys that may change when a run resumes are declared beside their readers (parallel,
+    models, logs; the run's own in dreamer.RUN_FREE_ON_RESUME), each once, each a key of the defaults;
+    a free key changed is silent, another is a warning naming it."""
+    import logs
+    import parallel
+
+    tables = [parallel.FREE_ON_RESUME, models.FREE_ON_RESUME, logs.FREE_ON_RESUME, dreamer.RUN_FREE_ON_RESUME]
+    keys = [key for table in tables for key in table]
+    assert len(keys) == len(set(keys)) and set(keys) == set(dreamer.FREE_ON_RESUME)
+    assert set(keys) <= set(tools.flatten(tools.load_presets()["defaults"])), set(keys)
+    config = dreamer.parse(["--configs", "debug", "--logdir", str(tmp_path)])
+    tools.save_config(config, tmp_path / "config.yaml")
+    changed = config.replace({"env_timeout": 60.0, "compile": "update", "logger": ["jsonl"], "save_every": 5.0,
+                              "units": 7})
+    assert tools.compare_saved_config(changed, tmp_path / "config.yaml", dreamer.FREE_ON_RESUME) == ["units: 32 -> 7"]
+
+
 @pytest.mark.parametrize("key, value", [("encoder.act", "Swish"), ("decoder.act", "Swish")])
 def test_the_encoder_and_decoder_activations_are_validated(key, value):
     with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
@@ -353,6 +371,8 @@ DISPATCH = {
     "disag_target": lambda config, env: exploration.Plan2Explore(
         config, models.WorldModel(env.obs_space, env.act_space, config), env.act_space),
     "update": lambda config, env: dreamer.Dreamer(env.obs_space, env.act_space, config),
+    "dyn_mean_act": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
+    "actor.dist": lambda config, env: dreamer.Dreamer(env.obs_space, env.act_space, config),
 }
 
 

@@ -338,10 +338,9 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
 
     def restore_and_look(self, state):
         changes = restore(self, state)
-        trainer = self.trainer
-        loaded.update(agent=copy.deepcopy(trainer.agent.state_dict()), optimizers=trainer.agent.optimizer_state(),
-                      counters=dict(vars(trainer.counters)), train=trainer.schedules["train"].state_dict(),
-                      replay=len(trainer.replay), rng=tools.rng_state(trainer.replay.rng))
+        loaded.update(agent=copy.deepcopy(self.agent.state_dict()), optimizers=self.agent.optimizer_state(),
+                      counters=dict(vars(self.counters)), train=self.schedules["train"].state_dict(),
+                      replay=len(self.replay), rng=tools.rng_state(self.replay.rng))
         loaded["optimizers"] = copy.deepcopy(loaded["optimizers"])
         return changes
 
