@@ -212,3 +212,18 @@ def test_verbatim_parallel_vision_command_starts(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Environments: 4 (parallel processes)" in result.stdout
     assert (logdir / "latest.pt").exists() and (logdir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("where", ["setup", "building the agent"])
+def test_a_bug_keeps_its_traceback_where_user_mistakes_are_one_line(tmp_path, monkeypatch, capsys, where):
+    """Only ConfigError (and envs.TaskError) are user mistakes: a ValueError raised by a bug in the set-up or
+    while building the agent reaches the caller as itself, with its traceback, not as a one-line exit 2."""
+    import models
+
+    def bug(*args, **kwargs):
+        raise ValueError("a bug, not a user mistake")
+
+    monkeypatch.setattr(*((tools, "resolve_device") if where == "setup" else (models, "resolve_auto")), bug)
+    with pytest.raises(ValueError, match="a bug, not a user mistake"):
+        dreamer.main(["--configs", "debug", "--device", "cpu", "--steps", "10", "--logdir", str(tmp_path / "run")])
+    assert "error:" not in capsys.readouterr().err

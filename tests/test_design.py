@@ -1,8 +1,9 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
 that no term escapes, one train step in the official three parts shared by both update modes (which
-only choose the optimizers), a read-only config, choices and ranges declared once beside their
-readers, exhaustive dispatch, the train-ratio arithmetic in one place, and imports in one direction
-(compilation of every network a preset builds: tests/test_compile.py)."""
+only choose the optimizers), six calls from main, a read-only config, choices, ranges and the keys
+free on resume declared once beside their readers, exhaustive dispatch, the train-ratio arithmetic in
+one place, and imports in one direction (compilation of every network a preset builds:
+tests/test_compile.py)."""
 
 import ast
 import pathlib

@@ -98,9 +98,15 @@ def policy_return(agent=None, seed=0):
     """Mean return over GOALS of the agent's evaluation policy (its sample: eval_sample), or of uniform
     random actions (agent None, 50 episodes per goal) from `seed`."""
     if agent is not None:
-        handles = [parallel.Damy(functools.partial(Steering, 0, goals=[goal])) for goal in GOALS]
-        episodes = parallel.run_episodes(agent, handles, 1, None)
-        return float(np.mean([episode["reward"].sum() for episode in episodes]))
+        # One goal at a time: run_episodes takes `count` episodes per task, and these environments are all
+        # task 0, so one call over all of them would return the first goal's episode alone.
+        returns = []
+        for goal in GOALS:
+            episodes = parallel.run_episodes(agent, [parallel.Damy(functools.partial(Steering, 0, goals=[goal]))],
+                                             1, None)
+            assert len(episodes) == 1 and len(episodes[0]["reward"]) == Steering(0).length + 1
+            returns.append(float(episodes[0]["reward"].sum()))
+        return float(np.mean(returns))
     rng, returns = np.random.default_rng(seed), []
     for goal in GOALS * 50:
         env = Steering(0, goals=[goal])
