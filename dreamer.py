@@ -452,6 +452,12 @@ class Dreamer(nn.Module):
         for name, optimizer in self.optimizers().items():
             node = state
             for part in name.split("/"):
+                if not isinstance(node, dict) or part not in node:
+                    saved = ", ".join(sorted(state)) if isinstance(state, dict) else type(state).__name__
+                    raise storage.CheckpointError(
+                        f"the checkpoint holds no state for the optimizer '{name}' (it holds {saved}): it was saved "
+                        "with another --update or --expl_behavior; restore those of the saved config.yaml or use "
+                        "another --logdir")
                 node = node[part]
             changes += optimizer.load_state_dict(node)
         return changes

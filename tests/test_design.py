@@ -253,6 +253,17 @@ def test_optimizers_follow_the_update_mode():
     assert set(p2e.optimizers()) == {"update", "expl/ensemble", "expl/behavior/actor", "expl/behavior/critic"}
 
 
+@pytest.mark.parametrize("saved, resumed", [("joint", "sequential"), ("sequential", "joint")])
+def test_optimizer_state_of_another_update_mode_is_refused_in_one_line(saved, resumed):
+    """A checkpoint of one update mode resumed under the other has no state for some optimizer: a
+    CheckpointError naming it (one line and exit 2 in a run), not a KeyError."""
+    state = make_agent("--update", saved, "--imag_gradient", "reinforce")[0].optimizer_state()
+    agent, _ = make_agent("--update", resumed, "--imag_gradient", "reinforce")
+    missing = "update" if resumed == "joint" else "model"
+    with pytest.raises(storage.CheckpointError, match=f"no state for the optimizer '{missing}'.*another --update"):
+        agent.load_optimizer_state(state)
+
+
 def test_the_keys_the_joint_update_ignores_are_named_with_the_reason():
     """Under update 'joint' one optimizer with the world model's settings steps everything: the
     actor's and critic's optimizer keys that differ from them are named in one start-up warning
