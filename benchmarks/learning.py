@@ -23,8 +23,9 @@ so it matches only runs at that setting), and `OUT/learning.png` (plot.py's figu
 band per code). The verdict per task, by this rule: take each seed's mean training return over the
 last quarter of the frames; the task MATCHES when this project's mean over seeds lies within the
 range (min to max) of the official seeds; it is BELOW or ABOVE otherwise; and it is NO LEARNING
-TO COMPARE when the official code's last-quarter mean is not above its first-quarter mean for most
-seeds (at such a budget neither code shows learning, so agreement says nothing).
+TO COMPARE unless, for most official seeds, the last-quarter mean lies above the best single episode
+of the first quarter (what luck reaches before learning; a mean above the first quarter's mean is not
+enough: at a budget where neither code learns, noise passes it, and agreement then says nothing).
 
 `--dry-run` prints every command and starts nothing; `--device cuda` after `--` runs both codes on a
 GPU (the official one needs its CUDA wheels in `--official-python`). Bad input: one line, exit 2.
@@ -153,12 +154,19 @@ def quarter_means(steps, values, total):
     return (float(first.mean()) if len(first) else None, float(last.mean()) if len(last) else None)
 
 
-def verdict(project_last, official_last, official_first):
+def first_quarter_best(steps, values, total):
+    """The highest single episode return in the first quarter of `total` frames (None where empty): what
+    the policy reaches by luck before it has learned much, which a learned policy's mean must pass."""
+    first = values[steps <= total / 4]
+    return float(first.max()) if len(first) else None
+
+
+def verdict(project_last, official_last, official_first_best):
     """The rule of the module docstring."""
     if not project_last or not official_last:
         return "incomplete"
-    gains = [last > first for first, last in zip(official_first, official_last) if first is not None]
-    if sum(gains) * 2 <= len(official_last):
+    learned = [last > best for best, last in zip(official_first_best, official_last) if best is not None]
+    if sum(learned) * 2 <= len(official_last):
         return "no learning to compare"
     mean = float(np.mean(project_last))
     low, high = min(official_last), max(official_last)
@@ -181,11 +189,11 @@ def report(out, tasks, seeds, codes, total, bin_frames):
                 steps, values = data
                 curves.setdefault(code, []).append((steps, values))
                 runs.append(f"{code}={logdir}")
-                first, last = quarter_means(steps, values, total)
+                _, last = quarter_means(steps, values, total)
                 if not finished(logdir):
                     last = None  # a run still going (or stopped) says nothing about its last quarter
                 stats[code]["seeds"].append(seed)
-                stats[code]["first"].append(first)
+                stats[code]["first"].append(first_quarter_best(steps, values, total))
                 if last is not None:
                     stats[code]["last"].append(last)
         frames = np.arange(bin_frames, total + bin_frames / 2, bin_frames)

@@ -192,21 +192,26 @@ def test_a_failed_run_is_recorded_and_started_again(tmp_path, capsys):
     assert "# to run" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("project, official_last, official_first, want", [
-    ([50.0, 60.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "matches"),
-    ([20.0, 25.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "below"),
-    ([90.0, 95.0], [40.0, 70.0, 55.0], [8.0, 9.0, 7.0], "above"),
-    ([50.0], [8.0, 7.0, 55.0], [8.0, 9.0, 7.0], "no learning to compare"),
+@pytest.mark.parametrize("project, official_last, official_first_best, want", [
+    ([50.0, 60.0], [40.0, 70.0, 55.0], [12.0, 14.0, 9.0], "matches"),
+    ([20.0, 25.0], [40.0, 70.0, 55.0], [12.0, 14.0, 9.0], "below"),
+    ([90.0, 95.0], [40.0, 70.0, 55.0], [12.0, 14.0, 9.0], "above"),
+    ([50.0], [8.0, 7.0, 55.0], [12.0, 14.0, 9.0], "no learning to compare"),
+    # dmc_cheetah_run at 20K frames, 2026-12-02: the official last quarter (10) above its first quarter's
+    # mean (about 9) but below its best first-quarter episode (14.6): noise, not learning.
+    ([5.0], [10.0], [14.6], "no learning to compare"),
     ([], [40.0], [8.0], "incomplete"),
 ])
-def test_the_verdict_rule(project, official_last, official_first, want):
-    assert learning.verdict(project, official_last, official_first) == want
+def test_the_verdict_rule(project, official_last, official_first_best, want):
+    assert learning.verdict(project, official_last, official_first_best) == want
 
 
 def test_quarter_means_split_the_frames_as_the_rule_says():
     steps = np.array([1000, 5000, 9000, 16000, 20000])
     values = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
     assert learning.quarter_means(steps, values, 20000) == (1.5, 4.5)
+    assert learning.first_quarter_best(steps, values, 20000) == 2.0
+    assert learning.first_quarter_best(steps[2:], values[2:], 20000) is None
 
 
 @pytest.mark.parametrize("argv, words", [
