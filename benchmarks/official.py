@@ -9,8 +9,12 @@ parser (presets, overrides, validation), and the settled values are translated t
 task, seed, frames (`steps`: frames here, policy steps there, `run.steps = steps / action_repeat`),
 train ratio, batch size and length, the model size preset (`size1m` ... `size400m`, required: the official
 defaults are another size), environments, action repeat (`env.dmc.repeat`), precision
-(`jax.compute_dtype`), `replay_context` and the device (`jax.platform`). The official code at the commit
-the project follows (e3f0224) is the 2024 recipe, so the command must name `recipe2024`.
+(`jax.compute_dtype`), `replay_context`, the replay's capacity (`dataset_size`: `replay.size`), the one
+optimizer's learning rate, warm-up, AGC and epsilon (`model_lr`, `warmup`, `agc`, `opt_eps`: `agent.opt.*`;
+the actor's and critic's must equal them) and the device (`jax.platform`). Any other key changed from the
+presets' value has no official flag and is refused (where the project logs, evaluates and saves is free).
+The official code at the commit the project follows (e3f0224) is the 2024 recipe, so the command must name
+`recipe2024`.
 
 Two differences the translation cannot remove, and how the runner (benchmarks/learning.py) meets them:
 - The official code has no random prefill: it trains once its replay holds one batch, collected by its own
@@ -71,6 +75,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# The project's keys the wrapper passes on (official_flags) or checks (check_start); under update 'joint'
+# (recipe2024's, the official code's) one optimizer steps every network at model_lr, warm-up, agc and
+# opt_eps, so the actor's and critic's own optimizer keys change nothing (the project warns of them).
+TRANSLATED = ("task", "seed", "steps", "train_ratio", "batch_size", "batch_length", "envs", "action_repeat",
+              "precision", "replay_context", "device", "prefill", "pretrain", "dataset_size", "model_lr",
+              "warmup", "agc", "opt_eps", "actor.lr", "critic.lr", "actor.eps", "critic.eps")
+# Keys that change nothing the official run computes: where and how often the project logs, evaluates and
+# saves, and its own machinery (dreamer.FREE_ON_RESUME, but the asynchronous loop, which the official
+# train script does not have).
+NO_EFFECT = tuple(key for key in dreamer.FREE_ON_RESUME if key not in ("asynchronous", "eval_only"))
+
+
 class OfficialError(ValueError):
     """A user mistake in the wrapper's command line: one line, exit status 2."""
 
@@ -102,6 +118,21 @@ def settle(argv):
                             f"{', '.join((*SUITES, *SIZES, *IGNORED_PRESETS))}")
     if "," in config.task or not config.task.startswith("dmc_"):
         raise OfficialError(f"--task {config.task}: the wrapper runs one DMC task (dmc_<domain>_<task>)")
+    # Every other setting must be the presets' own: a change the official flags cannot carry would make the
+    # two codes run different settings without a word.
+    presets = tools.flatten(dreamer.parse(["--configs", *names]).to_dict())
+    settled = tools.flatten(config.to_dict())
+    untranslated = sorted(key for key, value in settled.items()
+                          if value != presets.get(key) and key not in TRANSLATED and key not in NO_EFFECT)
+    if untranslated:
+        shown = ", ".join(f"--{key} {settled[key]}" for key in untranslated)
+        raise OfficialError(f"{shown}: no official flag carries {'this' if len(untranslated) == 1 else 'these'}; "
+                            f"the wrapper passes on {', '.join(TRANSLATED)} (and ignores where the project logs, "
+                            "evaluates and saves)")
+    if config.update != "joint" or len({config.model_lr, config.actor.lr, config.critic.lr}) > 1 \
+            or len({config.opt_eps, config.actor.eps, config.critic.eps}) > 1:
+        raise OfficialError("--model_lr, --actor.lr and --critic.lr (and --opt_eps, --actor.eps, --critic.eps) must "
+                            "be equal: the official code steps every network with one optimizer")
     return config, SUITES[suites[0]], sizes[0]
 
 
@@ -134,6 +165,11 @@ def official_flags(config, suite, size, logdir):
         "--batch_length", str(config.batch_length),
         "--report_length", str(report_length),
         "--replay_context", str(config.replay_context),
+        "--replay.size", str(int(config.dataset_size)),
+        "--agent.opt.lr", repr(float(config.model_lr)),
+        "--agent.opt.warmup", str(int(config.warmup)),
+        "--agent.opt.agc", repr(float(config.agc)),
+        "--agent.opt.eps", repr(float(config.opt_eps)),
         "--env.dmc.repeat", str(config.action_repeat),
         "--run.steps", str(int(config.steps // config.action_repeat)),
         "--run.train_ratio", str(float(config.train_ratio)),

@@ -94,6 +94,21 @@ def test_the_project_settings_become_the_official_flags(tmp_path):
     assert flag(official.official_flags(cuda, suite, size, tmp_path), "--jax.platform") == "cuda"
 
 
+def test_the_optimizer_and_replay_settings_reach_the_official_flags(tmp_path):
+    """The one optimizer's learning rate, warm-up, AGC and epsilon and the replay's capacity are passed on:
+    agent.opt.* and replay.size (the official defaults differ from the project's dataset_size)."""
+    config, suite, size = official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--model_lr", "1e-4",
+                                           "--actor.lr", "1e-4", "--critic.lr", "1e-4", "--warmup", "100",
+                                           "--agc", "0.5", "--dataset_size", "50000"])
+    argv = official.official_flags(config, suite, size, tmp_path)
+    assert float(flag(argv, "--agent.opt.lr")) == 1e-4 and flag(argv, "--agent.opt.warmup") == "100"
+    assert float(flag(argv, "--agent.opt.agc")) == 0.5 and float(flag(argv, "--agent.opt.eps")) == 1e-20
+    assert flag(argv, "--replay.size") == "50000"
+    # Where the project logs, evaluates and saves changes nothing there.
+    official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--log_every", "7", "--save_every", "60",
+                     "--eval_episode_num", "3", "--logger", "jsonl"])
+
+
 @pytest.mark.parametrize("change, words", [
     (["--configs", "dmc_proprio", "size1m"], "must name recipe2024"),
     (["--configs", "dmc_proprio", "recipe2024"], "model size"),
@@ -101,6 +116,10 @@ def test_the_project_settings_become_the_official_flags(tmp_path):
     (["--prefill", "2500"], "--prefill 1024 --pretrain 0"),
     (["--task", "atari_pong"], "one DMC task"),
     (["--steps", "1e9x"], "Invalid value"),
+    (["--units", "128"], "--units 128: no official flag carries this"),
+    (["--update", "sequential", "--imag_gradient", "dynamics"], "no official flag carries these"),
+    (["--asynchronous", "True"], "--asynchronous True: no official flag"),
+    (["--model_lr", "1e-4"], "must be equal: the official code steps every network with one optimizer"),
 ])
 def test_settings_the_official_code_cannot_take_are_one_line_and_exit_2(tmp_path, change, words):
     argv = [*SETTINGS, "--task", "dmc_cheetah_run", "--logdir", str(tmp_path / "run"), *change]
