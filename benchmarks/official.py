@@ -129,7 +129,8 @@ def settle(argv):
         raise OfficialError(f"{shown}: no official flag carries {'this' if len(untranslated) == 1 else 'these'}; "
                             f"the wrapper passes on {', '.join(TRANSLATED)} (and ignores where the project logs, "
                             "evaluates and saves)")
-    if config.update != "joint" or len({config.model_lr, config.actor.lr, config.critic.lr}) > 1 \
+    # (A changed --update is refused above: recipe2024's 'joint' is the official code's one optimizer.)
+    if len({config.model_lr, config.actor.lr, config.critic.lr}) > 1 \
             or len({config.opt_eps, config.actor.eps, config.critic.eps}) > 1:
         raise OfficialError("--model_lr, --actor.lr and --critic.lr (and --opt_eps, --actor.eps, --critic.eps) must "
                             "be equal: the official code steps every network with one optimizer")
