@@ -165,7 +165,7 @@ def compare(args, config, env, replay, length):
     first = statistics.median(times[settings[0]])
     for setting in settings:
         median = statistics.median(times[setting])
-        print(f"| {setting[0]} | {setting[1]} | {warmups[setting]:.1f} | {median:.3f} "
+        print(f"| {setting[0]} | {setting[1]} | {warmups[setting]:.2f} | {median:.3f} "
               f"({min(times[setting]):.3f}-{max(times[setting]):.3f}) | {first / median:.2f}x "
               f"| {calls[setting][0]:,} | {calls[setting][1]:,} |")
     print(f"updates_per_s={1 / statistics.median(times[settings[-1]]):.4f}")
