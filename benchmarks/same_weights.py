@@ -16,7 +16,11 @@ draws one batch of windows from the run's replay (`--windows-seed`), and on it c
   names mapped to the project's, kernels transposed, feature and key orders permuted) and the terms of
   models.Update.train_step under `--update joint`, the official code's single optimizer.
 
-The noise of the samples differs between the codes, so the comparison is of expectations: per loss term the
+Then one optimizer step: this project's joint optimizer loaded with the checkpoint's optimizer state
+(LaProp's moments and step count) takes the official seed-0 gradients, and its change of every parameter
+(and the slow critic's) is set beside the official code's own step from the same state.
+
+The noise of the samples differs between the codes, so the gradients' comparison is of expectations: per loss term the
 mean over seeds and its standard error; per network (encoder, dynamics, decoder, reward, continue, actor,
 critic) the mean gradient norm, the norm of the mean gradient, and the cosine between the two codes' mean
 gradients next to the cosine between the two halves of each code's own seeds. The reading rule: a network
@@ -115,7 +119,7 @@ for _ in range(config.batch_size):
 data = {k: np.stack([w[k] for w in windows]) for k in windows[0]}
 data["consec"] = np.zeros(data["reward"].shape, np.int32)
 data = {k: data[k] for k in agent.spaces}
-result = {f"param/{k}": np.asarray(v) for k, v in ckpt["params"].items() if not k.startswith("opt/")}
+result = {f"param/{k}": np.asarray(v) for k, v in ckpt["params"].items()}  # with the optimizer's state
 result.update({f"window/{k}": v for k, v in data.items()})
 for seed in range(seeds):
     agent.load(ckpt)
@@ -124,6 +128,9 @@ for seed in range(seeds):
     agent.train(agent.init_train(config.batch_size), batch)
     metrics = agent._take_outs(agent.pending_mets)
     agent.pending_mets = None
+    if seed == 0:  # the weights after this one step, for the optimizer's side of the comparison
+        after = agent.save()["params"]
+        result.update({f"after/{k}": np.asarray(v) for k, v in after.items() if not k.startswith("opt/")})
     for key, value in metrics.items():
         if "/grad/" in key:
             result[f"grad/{seed}/{key.split('/grad/', 1)[1]}"] = np.asarray(value)
@@ -285,6 +292,40 @@ def project_side(agent, batch, start, seeds):
     return terms, grads
 
 
+def optimizer_step(agent, names, saved):
+    """One step of this project's joint optimizer from the official optimizer's state (LaProp's nu and mu,
+    the step count) with the official seed-0 gradients, then the slow critic's; per network the relative
+    difference between the two codes' parameter changes, ||d_project - d_official|| / ||d_official||."""
+    import torch
+
+    joint = agent.update.optimizers["joint"][0].opt
+    joint.init_state()
+    params = dict(agent.named_parameters())
+    before = {k: p.detach().double().numpy().copy() for k, p in params.items()}
+    count = int(saved["param/opt/state/1/0"])
+    assert count == int(saved["param/opt/state/2/0"]) == int(saved["param/opt/state/3/count"]), "counts differ"
+    with torch.no_grad():
+        for name, (source, how) in names.items():
+            if name not in params or "slow_critic" in name:
+                continue
+            param, state = params[name], joint.state[params[name]]
+            state["nu"].copy_(torch.as_tensor(to_project(saved[f"param/opt/state/1/1/{source}"], how)))
+            state["mu"].copy_(torch.as_tensor(to_project(saved[f"param/opt/state/2/1/{source}"], how)))
+            param.grad = torch.as_tensor(to_project(saved[f"grad/0/{source}"], how), dtype=param.dtype)
+        joint.updates.fill_(count)
+        joint.step()
+        agent.task_behavior.update_slow_critic()
+    rows = []
+    for group, prefix in (*GROUPS, ("slow critic", "task_behavior.slow_critic.")):
+        keys = sorted(k for k in params if k.startswith(prefix))
+        ours = np.concatenate([(params[k].detach().double().numpy() - before[k]).ravel() for k in keys])
+        theirs = np.concatenate([(to_project(saved[f"after/{names[k][0]}"], names[k][1]) - before[k]).ravel()
+                                 for k in keys])
+        rows.append({"group": group, "official_change": float(np.linalg.norm(theirs)),
+                     "difference": float(np.linalg.norm(ours - theirs) / max(np.linalg.norm(theirs), 1e-30))})
+    return count, rows
+
+
 def cosine(a, b):
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     return float(a @ b / (na * nb)) if na > 0 and nb > 0 else float("nan")
@@ -308,7 +349,7 @@ def compare(official_grads, project_grads):
     return rows
 
 
-def report(official_terms, project_terms, rows, seeds, command):
+def report(official_terms, project_terms, rows, seeds, command, step=None):
     se = lambda xs: np.std(xs, ddof=1) / np.sqrt(len(xs)) if len(xs) > 1 else float("nan")  # noqa: E731
     lines = ["# Same weights, same batch: the official code and this project", "", f"`{command}`", "",
              f"{seeds} seeds per code. Loss terms (mean over seeds ± standard error):", "",
@@ -327,6 +368,13 @@ def report(official_terms, project_terms, rows, seeds, command):
         lines.append(f"| {r['group']} | {r['official_norm']:.4g} | {r['project_norm']:.4g} | "
                      f"{r['official_mean_norm']:.4g} | {r['project_mean_norm']:.4g} | {r['cosine']:.3f} | "
                      f"{r['official_halves']:.3f} | {r['project_halves']:.3f} | {r['verdict']} |")
+    if step is not None:
+        count, changes = step
+        lines += ["", f"One optimizer step from the checkpoint's optimizer state (step {count}) on the official "
+                  "seed-0 gradients, then the slow critic's: the official change of each network's parameters "
+                  "and how far this project's change lies from it, relative.", "",
+                  "| network | ‖Δ‖ official | ‖Δ project − Δ official‖ / ‖Δ official‖ |", "|---|---|---|"]
+        lines += [f"| {r['group']} | {r['official_change']:.4g} | {r['difference']:.2g} |" for r in changes]
     return "\n".join(lines) + "\n"
 
 
@@ -420,8 +468,10 @@ def project_and_report(args, rest, config, saved):
     official_grads = [{k: to_project(saved[f"grad/{s}/{source}"], how) for k, (source, how) in trained.items()}
                       for s in range(args.seeds)]
     rows = compare(official_grads, [{k: g[k] for k in trained} for g in project_grads])
+    load_official(agent, config, {k[6:]: v for k, v in saved.items() if k.startswith("param/")})
+    step = optimizer_step(agent, names, saved)
     text = report(official_terms, project_terms, rows, args.seeds, "python3 benchmarks/same_weights.py "
-                  + " ".join(sys.argv[1:]))
+                  + " ".join(sys.argv[1:]), step)
     out = args.out or pathlib.Path(config.logdir).expanduser() / "same_weights.md"
     import tools
 

@@ -16,9 +16,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs package
 
+import same_weights  # noqa: E402
+
 import dreamer  # noqa: E402
 import models  # noqa: E402
-import same_weights  # noqa: E402
 
 VECTOR_ONLY = ["--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^"]
 
@@ -129,6 +130,53 @@ def test_the_project_side_computes_the_terms_the_update_steps_on():
     metrics = agent.update.train_step(batch)
     for name, value in mine.items():
         assert float(metrics[f"{name}_loss"]) == value, name
+
+
+def official_layout(value, how):
+    """A project array in the official layout (the inverse of same_weights.to_project)."""
+    value = value.double().numpy() if isinstance(value, torch.Tensor) else value
+    if isinstance(how, np.ndarray):
+        kernel = np.zeros((value.shape[1], value.shape[0]))
+        kernel[how] = value.T
+        return kernel
+    return value.T if how == "linear" else value
+
+
+def test_the_optimizer_step_reads_the_official_state_and_gradients_in_their_layouts():
+    """A stand-in for the official side: the optimizer state, gradients and resulting weights of this
+    project's own step, written in the official layouts; read back, the tool's step lands on them."""
+    agent, config = make_agent(0)
+    names = same_weights.official_names(agent, config)
+    reference, _ = make_agent(0)
+    joint = reference.update.optimizers["joint"][0].opt
+    joint.init_state()
+    generator = torch.Generator().manual_seed(3)
+    saved = {f"param/{k}": v for k, v in official_params(agent, config).items()}
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, (source, how) in names.items():
+            if name not in params or "slow_critic" in name:
+                continue
+            param, state = params[name], joint.state[params[name]]
+            state["nu"].copy_(torch.rand(param.shape, generator=generator) * 1e-4)
+            state["mu"].copy_(torch.randn(param.shape, generator=generator) * 1e-3)
+            param.grad = torch.randn(param.shape, generator=generator) * 1e-2
+            saved[f"param/opt/state/1/1/{source}"] = official_layout(state["nu"], how)
+            saved[f"param/opt/state/2/1/{source}"] = official_layout(state["mu"], how)
+            saved[f"grad/0/{source}"] = official_layout(param.grad, how)
+        for key in ("param/opt/state/1/0", "param/opt/state/2/0", "param/opt/state/3/count"):
+            saved[key] = np.array(1500)
+        joint.updates.fill_(1500)
+        joint.step()
+        reference.task_behavior.update_slow_critic()
+    for name, value in reference.state_dict().items():
+        if name in names:
+            saved[f"after/{names[name][0]}"] = official_layout(value, names[name][1])
+    count, rows = same_weights.optimizer_step(agent, names, saved)
+    assert count == 1500
+    assert [r["group"] for r in rows][-1] == "slow critic"
+    for row in rows:
+        assert row["official_change"] > 0 and row["difference"] < 1e-6, row
 
 
 def test_compare_agrees_within_one_distribution_and_differs_for_the_opposite_gradient():
