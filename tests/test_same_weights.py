@@ -16,9 +16,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs package
 
+import same_weights  # noqa: E402
+
 import dreamer  # noqa: E402
 import models  # noqa: E402
-import same_weights  # noqa: E402
 
 VECTOR_ONLY = ["--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^"]
 
