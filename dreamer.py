@@ -498,7 +498,8 @@ class StoredEpisodes:
         # is the evaluation replay's).
         self.replay = storage.Replay(config.dataset_size, max(1, config.envs),
                                    config.seed + (1 + 1000 * rank if rank else 0),
-                                   device=config.device if config.replay_device else None)
+                                   device=config.device if config.replay_device else None,
+                                   online=config.batch_length + config.replay_context if config.replay_online else 0)
         source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
         # Training episodes hold the policy's latents too when the replay context wants them.
         train_spec = {**spec, **context_spec} if spec is not None else None

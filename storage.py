@@ -481,12 +481,20 @@ class Replay:
     Every step has an id (stream, index among the stream's steps) by which `update` rewrites it
     (the policy's latents, the replay context's write-back, models.ReplayContext).
 
+    With `online` = L > 0 (config replay_online), the official replay's online queue: each time a
+    stream's newest L steps form a sequence that shares no step with the stream's previous queued
+    one, that sequence is queued, and batches of length L take queued sequences first, oldest first,
+    each once, before uniform ones; so every step is trained on soon after it arrives. Steps loaded
+    from files (add_episode) are not queued, and the queue is not saved with a checkpoint.
+
     Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
     under the lock, so a later add never changes a batch already taken).
     """
 
-    def __init__(self, capacity, streams, seed=0, device=None):
+    def __init__(self, capacity, streams, seed=0, device=None, online=0):
         per_stream = max(1, int(np.ceil(capacity / streams)))
+        self.online = online
+        self.queue = collections.deque()  # (stream, first step id) of sequences not yet trained on
         self.device = None if device is None else torch.device(device)  # replay_device: None is host memory
         self.streams = [Stream(per_stream, self.device) for _ in range(streams)]
         self.rng = np.random.default_rng(seed)
@@ -505,7 +513,12 @@ class Replay:
     def add(self, step, stream=0):
         """Append one step to a stream; returns its id (stream, index among the stream's steps)."""
         with self.lock:
-            return stream, self.streams[stream].add(step)
+            index = self.streams[stream].add(step)
+            # As the official replay: a sequence of the newest L steps once L steps came before this one,
+            # then every L steps.
+            if self.online and index >= self.online and index % self.online == 0:
+                self.queue.append((stream, index - self.online + 1))
+            return stream, index
 
     def add_episode(self, episode, stream=0):
         length = len(episode["reward"])
@@ -533,19 +546,33 @@ class Replay:
             for row, (stream, first) in enumerate(np.asarray(ids)):
                 self.streams[stream].write(int(first), {k: v[row] for k, v in values.items()})
 
+    def _queued(self, batch):
+        """Up to `batch` queued sequences still held, as (streams, logical starts); taken off the queue."""
+        which, starts = [], []
+        while self.queue and len(which) < batch:
+            stream, first = self.queue.popleft()
+            if first >= self.streams[stream].first():  # else dropped for newer steps before its turn
+                which.append(stream)
+                starts.append(first - self.streams[stream].first())
+        return np.array(which, np.int64), np.array(starts, np.int64)
+
     def _sample(self, batch, length, alloc=np.empty):
-        starts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
-        if starts.sum() == 0:
+        counts = np.array([max(0, len(s) - length + 1) for s in self.streams], np.float64)
+        if counts.sum() == 0:
             raise RuntimeError(f"Replay holds no sequence of length {length} yet.")
-        which = self.rng.choice(len(self.streams), size=batch, p=starts / starts.sum())
+        which, start = self._queued(batch) if self.online == length else (np.zeros(0, np.int64),) * 2
+        uniform = self.rng.choice(len(self.streams), size=batch - len(which), p=counts / counts.sum())
+        which = np.concatenate([which, uniform])
+        start = np.concatenate([start, np.zeros(len(uniform), np.int64)])
         out = {}
         first = np.stack([which, np.zeros(batch, np.int64)], 1).astype(np.int64)
         for index in np.unique(which):
             stream = self.streams[index]
             rows = np.nonzero(which == index)[0]
-            start = self.rng.integers(0, starts[index], size=len(rows))
-            phys = stream.indices(start, length)
-            first[rows, 1] = stream.first() + start
+            drawn = rows[rows >= batch - len(uniform)]  # the uniform rows of this stream
+            start[drawn] = self.rng.integers(0, counts[index], size=len(drawn))
+            phys = stream.indices(start[rows], length)
+            first[rows, 1] = stream.first() + start[rows]
             for key, array in stream.data.items():
                 if key not in out:
                     out[key] = (alloc((batch, length, *array.shape[1:]), array.dtype) if self.device is None

@@ -79,8 +79,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # (recipe2024's, the official code's) one optimizer steps every network at model_lr, warm-up, agc and
 # opt_eps, so the actor's and critic's own optimizer keys change nothing (the project warns of them).
 TRANSLATED = ("task", "seed", "steps", "train_ratio", "batch_size", "batch_length", "envs", "action_repeat",
-              "precision", "replay_context", "device", "prefill", "pretrain", "dataset_size", "model_lr",
-              "warmup", "agc", "opt_eps", "actor.lr", "critic.lr", "actor.eps", "critic.eps")
+              "precision", "replay_context", "replay_online", "device", "prefill", "pretrain", "dataset_size",
+              "model_lr", "warmup", "agc", "opt_eps", "actor.lr", "critic.lr", "actor.eps", "critic.eps")
 # Keys that change nothing the official run computes: where and how often the project logs, evaluates and
 # saves, and its own machinery (dreamer.FREE_ON_RESUME, but the asynchronous loop, which the official
 # train script does not have).
@@ -166,6 +166,7 @@ def official_flags(config, suite, size, logdir):
         "--batch_length", str(config.batch_length),
         "--report_length", str(report_length),
         "--replay_context", str(config.replay_context),
+        "--replay.online", str(bool(config.replay_online)),
         "--replay.size", str(int(config.dataset_size)),
         "--agent.opt.lr", repr(float(config.model_lr)),
         "--agent.opt.warmup", str(int(config.warmup)),

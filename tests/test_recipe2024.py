@@ -735,6 +735,14 @@ def test_joint_update_refuses_the_dynamics_gradient():
         vector_setup("--update", "joint", "--imag_gradient", "dynamics")
 
 
+@pytest.mark.parametrize("configs, online", [(("debug", "recipe2024"), True), (("debug",), False)])
+def test_replay_online_gives_the_training_replay_the_queue_of_its_sequence_length(tmp_path, configs, online):
+    config = dreamer.parse(["--configs", *configs, "--batch_length", "12"], presets=copy.deepcopy(PRESETS))
+    stored = dreamer.StoredEpisodes(config, tmp_path, 0, None, {})
+    assert stored.replay.online == (12 + config.replay_context if online else 0)
+    assert stored.eval_replay.online == 0  # evaluation batches are not training
+
+
 def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
     config = make_config(configs=("dmc_proprio", "recipe2024", "size1m"))
     assert (config.opt, config.agc, config.warmup, config.update) == ("laprop", 0.3, 1000, "joint")
@@ -752,12 +760,13 @@ def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
     assert (critic.repval, critic.slow_target_fraction, critic.slow_target_update) == (0.3, 0.02, 1)
     assert config.imag_gradient == "reinforce" and config.cont_head.contdisc
     assert (config.replay_context, config.batch_length, config.actor.absmax) == (1, 64, 0.0)
+    assert config.replay_online
     defaults = dreamer.parse(["--configs", "dmc_proprio"], presets=copy.deepcopy(PRESETS))
     assert (defaults.norm, defaults.winit, defaults.opt, defaults.update, defaults.dyn_cell) == (
         "layer", "fan_avg", "adam", "sequential", "gru")
     assert (defaults.encoder.cnn, defaults.decoder.cnn, defaults.critic.repval, defaults.cont_head.contdisc) == (
         "strided", "transposed", 0.0, False)
-    assert (defaults.replay_context, defaults.actor.absmax) == (0, 1.0)
+    assert (defaults.replay_context, defaults.actor.absmax, defaults.replay_online) == (0, 1.0, False)
 
 
 def test_new_keys_are_range_checked_at_start_up():

@@ -225,6 +225,68 @@ def test_replay_add_episode_keeps_order():
         np.testing.assert_array_equal(out[key][0], ep[key])
 
 
+def official_online_queue(counts, length):
+    """The official replay's online queue (embodied/core/replay.py, Replay.add with online=True), written
+    out: per stream a deque of the newest steps; once it holds `length`, the oldest leaves it and starts an
+    item, which is queued when the number of steps added before the current one is a multiple of length."""
+    queue, deques, added = [], {}, {}
+    for stream, count in counts:
+        for _ in range(count):
+            window = deques.setdefault(stream, [])
+            window.append(added.get(stream, 0))
+            if len(window) >= length:
+                first = window.pop(0)
+                if added.get(stream, 0) % length == 0:
+                    queue.append((stream, first))
+            added[stream] = added.get(stream, 0) + 1
+    return queue
+
+
+def test_online_replay_trains_each_new_sequence_once_first_as_the_official_queue():
+    length = 4
+    replay = storage.Replay(capacity=1000, streams=2, seed=8, online=length)
+    counts = [(0, 6), (1, 9), (0, 7)]
+    for stream, count in counts:
+        fill(replay, stream, count, offset=len(replay.streams[stream]))
+    queued = official_online_queue(counts, length)
+    assert queued == [(0, 1), (1, 1), (1, 5), (0, 5), (0, 9)]
+    out = replay.sample(batch=3, length=length)  # the three oldest queued, then nothing uniform
+    want = [stream * 100000 + first + np.arange(length) for stream, first in queued[:3]]
+    np.testing.assert_array_equal(out["id"], want)
+    out, ids = replay.sample(batch=6, length=length, ids=True)  # the last two queued, four uniform rows
+    np.testing.assert_array_equal(out["id"][:2], [s * 100000 + f + np.arange(length) for s, f in queued[3:]])
+    np.testing.assert_array_equal(ids[:2], queued[3:])
+    np.testing.assert_array_equal(np.diff(out["id"][2:], axis=1), 1)
+    assert not replay.queue
+    # Batches of another length (an evaluation's) leave the queue alone; a queued sequence whose steps were
+    # dropped for newer ones is skipped.
+    fill(replay, 0, 4, offset=13)
+    assert list(replay.queue) == [(0, 13)]
+    replay.sample(batch=2, length=length + 1)
+    assert list(replay.queue) == [(0, 13)]
+    small = storage.Replay(capacity=8, streams=1, seed=9, online=length)
+    fill(small, 0, 9)  # queued starts 1 and 5; 8 steps held: 1..8
+    fill(small, 0, 4, offset=9)  # start 9 queued; held: 5..12, so start 1 is gone
+    out = small.sample(batch=3, length=length)
+    np.testing.assert_array_equal(out["id"][:2], [np.arange(5, 9), np.arange(9, 13)])
+
+
+def test_a_replay_without_the_queue_samples_as_before():
+    """online=0 draws the same batches as a replay that never had the queue (the same random calls)."""
+    replay = storage.Replay(capacity=100, streams=2, seed=10)
+    fill(replay, 0, 30)
+    fill(replay, 1, 20)
+    rng = np.random.default_rng(10)
+    counts = np.array([27.0, 17.0])
+    which = rng.choice(2, size=5, p=counts / counts.sum())
+    starts = np.zeros(5, np.int64)
+    for index in np.unique(which):
+        rows = np.nonzero(which == index)[0]
+        starts[rows] = rng.integers(0, counts[index], size=len(rows))
+    out = replay.sample(batch=5, length=4)
+    np.testing.assert_array_equal(out["id"][:, 0], which * 100000 + starts)
+
+
 # ---------------------------------------------------------------------------------------------
 # Schedules
 # ---------------------------------------------------------------------------------------------

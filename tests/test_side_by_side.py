@@ -90,6 +90,9 @@ def test_the_project_settings_become_the_official_flags(tmp_path):
     assert flag(argv, "--report_length") == "16"  # the official report stream fails above batch_length
     assert flag(argv, "--jax.compute_dtype") == "bfloat16" and flag(argv, "--jax.platform") == "cpu"
     assert flag(argv, "--run.envs") == "1" and flag(argv, "--replay_context") == "1"
+    assert flag(argv, "--replay.online") == "True"  # recipe2024's replay_online, the official default
+    offline, *_ = official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--replay_online", "False"])
+    assert flag(official.official_flags(offline, suite, size, tmp_path), "--replay.online") == "False"
     cuda, *_ = official.settle([*SETTINGS, "--task", "dmc_cheetah_run", "--device", "cuda"])
     assert flag(official.official_flags(cuda, suite, size, tmp_path), "--jax.platform") == "cuda"
 
