@@ -123,6 +123,7 @@ def test_the_project_side_computes_the_terms_the_update_steps_on():
     torch.manual_seed(5)
     losses = same_weights.project_losses(agent, batch, None)
     scales = agent.wm.scales
+    losses = {k: v.detach() for k, v in losses.items()}
     mine = {"model": float(models.scaled_sum(losses, scales, agent.wm.terms)),
             "actor": float(models.scaled_sum(losses, scales, ("actor",))),
             "critic": float(models.scaled_sum(losses, scales, ("critic", "repval")))}
