@@ -234,12 +234,17 @@ def convert(logdir, config, settings):
     return len(out)
 
 
+def add_checkout_arguments(parser):
+    """--official and --python: the official checkout and its interpreter (same_weights.py takes them too)."""
+    parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter with its requirements")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="official.py --official DIR --python PY [--threads N] [--dry-run] "
                                            "[--convert] DREAMER_FLAGS...")
-    parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter with its requirements")
+    add_checkout_arguments(parser)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--convert", action="store_true")

@@ -382,8 +382,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="same_weights.py --official DIR --python PY [--seeds N] "
                                            "[--windows-seed N] [--out FILE] [--dry-run] DREAMER_FLAGS...")
-    parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter with its requirements")
+    official.add_checkout_arguments(parser)
     parser.add_argument("--seeds", type=int, default=32, help="updates per code, one per seed")
     parser.add_argument("--windows-seed", type=int, default=0, help="draws the batch from the run's replay")
     parser.add_argument("--out", type=pathlib.Path, help="the report (default LOGDIR/same_weights.md)")
