@@ -45,7 +45,7 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE))  # last: benchmarks/envs.py must not shadow the envs package
 
 import plot  # noqa: E402
 

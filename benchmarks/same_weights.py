@@ -42,8 +42,8 @@ import tempfile
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs package
+sys.path.append(str(ROOT / "benchmarks"))  # last: benchmarks/envs.py must not shadow envs
+sys.path.insert(0, str(ROOT))
 
 import official  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # last: worker processes inherit the path, and benchmarks/envs.py is not envs
 sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs package
 
 import same_weights  # noqa: E402

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # last: worker processes inherit the path, and benchmarks/envs.py is not envs
 
 import learning  # noqa: E402
 import official  # noqa: E402
