@@ -19,8 +19,10 @@ rerunning the runner continues it. `--report` only writes the report of what is 
 The report (also written after the runs): `OUT/learning.md`, one table per task (train return per
 `--bin` frames, mean and min-max over seeds, per code, and the paper's curve from
 benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2,
-so it matches only runs at that setting), and `OUT/learning.png` (plot.py's figure: mean and min-max
-band per code). The verdict per task, by this rule: take each seed's mean training return over the
+so it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
+Welch's t of the two, which the rule below does not use but a reader of three seeds needs), and
+`OUT/learning.png` (plot.py's figure: mean and min-max band per code). The verdict per task, by this
+rule: take each seed's mean training return over the
 last quarter of the frames; the task MATCHES when this project's mean over seeds lies within the
 range (min to max) of the official seeds; it is BELOW or ABOVE otherwise; and it is NO LEARNING
 TO COMPARE unless, for most official seeds, the last-quarter mean lies above the best single episode
@@ -173,6 +175,33 @@ def verdict(project_last, official_last, official_first_best):
     return "matches" if low <= mean <= high else ("below" if mean < low else "above")
 
 
+def welch_t(project_last, official_last):
+    """Welch's t of the official mean minus this project's (positive: the official code ahead), or None
+    with fewer than two seeds on a side: how far apart the two means are in units of their spread."""
+    if len(project_last) < 2 or len(official_last) < 2:
+        return None
+    a, b = np.asarray(project_last, float), np.asarray(official_last, float)
+    error = np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    return float((b.mean() - a.mean()) / error) if error > 0 else None
+
+
+def spread(stats):
+    """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t, and
+    each seed's best first-quarter episode (the bar its last quarter must pass to count as learning)."""
+    parts = []
+    for code, values in stats.items():
+        last = values["last"]
+        if last:
+            sd = f"sd {np.std(last, ddof=1):.1f}, " if len(last) > 1 else ""
+            parts.append(f"{code} {np.mean(last):.1f} ({sd}{len(last)} seed{'s' * (len(last) > 1)})")
+    t = welch_t(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []))
+    bars = "; ".join(f"{code} " + ", ".join("-" if v is None else f"{v:.1f}" for v in values["first"])
+                     for code, values in stats.items() if values["first"])
+    return ("Last quarter: " + (", ".join(parts) or "none finished")
+            + (f"; Welch t {t:.2f}" if t is not None else "")
+            + (f". Best first-quarter episode per seed: {bars}." if bars else "."))
+
+
 def report(out, tasks, seeds, codes, total, bin_frames):
     """learning.md and learning.png under OUT; returns the markdown."""
     reference = plot.load_reference()
@@ -215,7 +244,7 @@ def report(out, tasks, seeds, codes, total, bin_frames):
             lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
         decision = verdict(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []),
                            stats.get("official", {}).get("first", []))
-        lines += ["", f"Verdict: **{decision}**", ""]
+        lines += ["", f"Verdict: **{decision}**", "", spread(stats), ""]
     text = "\n".join(lines) + "\n"
     pathlib.Path(out, "learning.md").write_text(text)
     if runs:

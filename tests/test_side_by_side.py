@@ -5,6 +5,7 @@ embodied/jax/internal.py whose setup overwrites XLA_FLAGS as the real one does) 
 scores.jsonl as the real one does."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -234,6 +235,27 @@ def test_quarter_means_split_the_frames_as_the_rule_says():
     assert learning.quarter_means(steps, values, 20000) == (1.5, 4.5)
     assert learning.first_quarter_best(steps, values, 20000) == 2.0
     assert learning.first_quarter_best(steps[2:], values[2:], 20000) is None
+
+
+def test_welch_t_and_the_spread_line_against_a_plain_computation():
+    project, official = [32.0, 40.0, 22.0], [44.0, 32.0, 74.0]  # round 3's last quarters, cheetah_run
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def var(xs):
+        return sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)
+
+    want = (mean(official) - mean(project)) / math.sqrt(var(project) / 3 + var(official) / 3)
+    assert learning.welch_t(project, official) == pytest.approx(want, rel=1e-12)
+    assert round(want, 2) == 1.38
+    assert learning.welch_t([30.0], official) is None and learning.welch_t([1.0, 1.0], [1.0, 1.0]) is None
+    stats = {"project": {"last": project, "first": [10.3, 12.7, 12.2]},
+             "official": {"last": official, "first": [11.8, None, 13.6]}}
+    assert learning.spread(stats) == (
+        "Last quarter: project 31.3 (sd 9.0, 3 seeds), official 50.0 (sd 21.6, 3 seeds); Welch t 1.38. "
+        "Best first-quarter episode per seed: project 10.3, 12.7, 12.2; official 11.8, -, 13.6.")
+    assert learning.spread({"project": {"last": [], "first": []}}) == "Last quarter: none finished."
 
 
 @pytest.mark.parametrize("argv, words", [
