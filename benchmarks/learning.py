@@ -18,16 +18,16 @@ rerunning the runner continues it. `--report` only writes the report of what is 
 
 The report (also written after the runs): `OUT/learning.md`, one table per task (train return per
 `--bin` frames, mean and min-max over seeds, per code, and the paper's curve from
-benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2,
-so it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
+benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2, so
+it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
 Welch's t of the two, which the rule below does not use but a reader of three seeds needs), and
 `OUT/learning.png` (plot.py's figure: mean and min-max band per code). The verdict per task, by this
-rule: take each seed's mean training return over the
-last quarter of the frames; the task MATCHES when this project's mean over seeds lies within the
-range (min to max) of the official seeds; it is BELOW or ABOVE otherwise; and it is NO LEARNING
-TO COMPARE unless, for most official seeds, the last-quarter mean lies above the best single episode
-of the first quarter (what luck reaches before learning; a mean above the first quarter's mean is not
-enough: at a budget where neither code learns, noise passes it, and agreement then says nothing).
+rule: take each seed's mean training return over the last quarter of the frames; the task MATCHES when
+this project's mean over seeds lies within the range (min to max) of the official seeds; it is BELOW or
+ABOVE otherwise; and it is NO LEARNING TO COMPARE unless, for most official seeds, the last-quarter mean
+lies above the best single episode of the first quarter (what luck reaches before learning; a mean above
+the first quarter's mean is not enough: at a budget where neither code learns, noise passes it, and
+agreement then says nothing).
 
 `--dry-run` prints every command and starts nothing; `--device cuda` after `--` runs both codes on a
 GPU (the official one needs its CUDA wheels in `--official-python`). Bad input: one line, exit 2.
