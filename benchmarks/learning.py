@@ -328,6 +328,11 @@ def main(argv=None):
             state = "finished, skipped" if finished(job["logdir"]) else "to run"
             print(f"OMP_NUM_THREADS={args.threads} {shlex.join(job['argv'])}  # {state}")
         return 0
+    if args.report and not any(returns(job["logdir"]) is not None for job in jobs):
+        # a mistyped --out or task would otherwise write an empty report over nothing
+        print(f"learning.py: --report: no run of {','.join(args.tasks)} with an episode under --out {args.out}",
+              file=sys.stderr)
+        return 2
     if not args.report:
         run_all(jobs, args)
     print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin))

@@ -264,8 +264,10 @@ def test_welch_t_and_the_spread_line_against_a_plain_computation():
     (["--tasks", "dmc_cheetah_run", "--parallel", "0"], "--parallel 0"),
     (["--tasks", "dmc_cheetah_run"], "--official None"),
     (["--tasks", "dmc_cheetah_run", "--codes", "project", "--", "--task", "x"], "--task after --"),
+    (["--tasks", "dmc_cheetah_run", "--report"], "no run of dmc_cheetah_run with an episode under --out"),
 ])
 def test_runner_mistakes_are_one_line_and_exit_2(tmp_path, capsys, argv, words):
     assert learning.main([*argv[:2], "--out", str(tmp_path), *argv[2:]]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing half-done: no report over no runs
