@@ -20,7 +20,8 @@ The report (also written after the runs): `OUT/learning.md`, one table per task 
 `--bin` frames, mean and min-max over seeds, per code, and the paper's curve from
 benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2, so
 it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
-Welch's t of the two, which the rule below does not use but a reader of three seeds needs), and
+Welch's t of the two, and how often the rule would say below or above for two equal codes at those seed
+counts, which the rule below does not use but a reader of three seeds needs), and
 `OUT/learning.png` (plot.py's figure: mean and min-max band per code). The verdict per task, by this
 rule: take each seed's mean training return over the last quarter of the frames; the task MATCHES when
 this project's mean over seeds lies within the range (min to max) of the official seeds; it is BELOW or
@@ -185,6 +186,17 @@ def welch_t(project_last, official_last):
     return float((b.mean() - a.mean()) / error) if error > 0 else None
 
 
+def chance_outside(n_project, n_official, draws=200_000):
+    """How often the range rule says BELOW or ABOVE for two codes that are the same: the probability that
+    the mean of `n_project` draws lies outside the min-max of `n_official` draws of one normal distribution
+    (by simulation, fixed seed). With few seeds the official range is narrow, so a verdict outside it is
+    weak evidence: about 0.37 at three seeds a side."""
+    rng = np.random.default_rng(0)
+    mean = rng.standard_normal((draws, n_project)).mean(1)
+    official = rng.standard_normal((draws, n_official))
+    return float(np.mean((mean < official.min(1)) | (mean > official.max(1))))
+
+
 def spread(stats):
     """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t, and
     each seed's best first-quarter episode (the bar its last quarter must pass to count as learning)."""
@@ -197,8 +209,11 @@ def spread(stats):
     t = welch_t(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []))
     bars = "; ".join(f"{code} " + ", ".join("-" if v is None else f"{v:.1f}" for v in values["first"])
                      for code, values in stats.items() if values["first"])
+    n_project, n_official = (len(stats.get(code, {}).get("last", [])) for code in CODES)
+    chance = (f"; equal codes fall outside the official range by chance {chance_outside(n_project, n_official):.0%}"
+              " of the time at these seed counts" if n_project and n_official > 1 else "")
     return ("Last quarter: " + (", ".join(parts) or "none finished")
-            + (f"; Welch t {t:.2f}" if t is not None else "")
+            + (f"; Welch t {t:.2f}" if t is not None else "") + chance
             + (f". Best first-quarter episode per seed: {bars}." if bars else "."))
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import subprocess
 import sys
 
@@ -253,9 +254,25 @@ def test_welch_t_and_the_spread_line_against_a_plain_computation():
     stats = {"project": {"last": project, "first": [10.3, 12.7, 12.2]},
              "official": {"last": official, "first": [11.8, None, 13.6]}}
     assert learning.spread(stats) == (
-        "Last quarter: project 31.3 (sd 9.0, 3 seeds), official 50.0 (sd 21.6, 3 seeds); Welch t 1.38. "
+        "Last quarter: project 31.3 (sd 9.0, 3 seeds), official 50.0 (sd 21.6, 3 seeds); Welch t 1.38; "
+        "equal codes fall outside the official range by chance 37% of the time at these seed counts. "
         "Best first-quarter episode per seed: project 10.3, 12.7, 12.2; official 11.8, -, 13.6.")
     assert learning.spread({"project": {"last": [], "first": []}}) == "Last quarter: none finished."
+
+
+def test_the_chance_that_equal_codes_fall_outside_the_range_against_exact_values_and_a_plain_simulation():
+    # one project seed among n official ones, all exchangeable: it lies outside their range when it is the
+    # lowest or the highest of the n + 1, so 2 / (n + 1) whatever the distribution
+    for n in (2, 3, 5):
+        assert learning.chance_outside(1, n) == pytest.approx(2 / (n + 1), abs=0.005)
+    rng = random.Random(1)
+    outside = 0
+    for _ in range(20_000):
+        mean = sum(rng.gauss(0, 1) for _ in range(3)) / 3
+        official = [rng.gauss(0, 1) for _ in range(3)]
+        outside += not min(official) <= mean <= max(official)
+    assert learning.chance_outside(3, 3) == pytest.approx(outside / 20_000, abs=0.015)
+    assert 0.3 < learning.chance_outside(3, 3) < 0.45  # the point: a 3-seed range verdict is weak evidence
 
 
 @pytest.mark.parametrize("argv, words", [
