@@ -198,8 +198,9 @@ def chance_outside(n_project, n_official, draws=200_000):
 
 
 def spread(stats):
-    """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t, and
-    each seed's best first-quarter episode (the bar its last quarter must pass to count as learning)."""
+    """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t, how
+    often equal codes would fall outside the range at these seed counts (`chance_outside`), and each
+    seed's best first-quarter episode (the bar its last quarter must pass to count as learning)."""
     parts = []
     for code, values in stats.items():
         last = values["last"]
