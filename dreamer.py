@@ -759,25 +759,56 @@ class Trainer:
 
 
 def prefill_and_pretrain(trainer):
-    """Before the loop: `prefill` frames of uniform random actions, then `pretrain` updates; the
+    """Before the loop: the prefill (`PREFILLS[prefill_policy]`), then `pretrain` updates; the
     prefill's steps count as paid for, so that training starts at the train ratio."""
-    config, interactive = trainer.config, trainer.progress.interactive
-    if trainer.collector is not None and trainer.frames < config.prefill:
-        uniform = exploration.Random(config, trainer.train_envs[0].act_space)  # its actor ignores the input
+    config = trainer.config
+    if trainer.collector is not None:
+        PREFILLS[config.prefill_policy](trainer)
+    if config.pretrain:
+        with logs.Phase("pretrain", config.pretrain, "update", trainer.progress.interactive) as phase:
+            trainer.update(config.pretrain, phase)
+    trainer.schedules["train"].updates = trainer.schedules["train"].owed(trainer.counters.policy_steps)
 
-        def random_policy(obs, state):
-            return uniform.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
 
-        with logs.Phase("prefill", config.prefill, "frame", interactive) as phase:
+def random_prefill(trainer):
+    """`prefill` frames of uniform random actions, with zero latents stored (the paper's v1 code)."""
+    config = trainer.config
+    uniform = exploration.Random(config, trainer.train_envs[0].act_space)  # its actor ignores the input
+
+    def random_policy(obs, state):
+        return uniform.actor(torch.zeros(len(obs["is_first"]), 1)).sample().numpy(), None
+
+    if trainer.frames < config.prefill:
+        with logs.Phase("prefill", config.prefill, "frame", trainer.progress.interactive) as phase:
             while trainer.frames < config.prefill:
                 trainer.collect(random_policy)
                 phase.update(min(trainer.frames, config.prefill))
                 trainer.agreement.settle(True)  # no updates in the prefill: its steps are the boundary
                 trainer.stop_if_asked()
-    if config.pretrain:
-        with logs.Phase("pretrain", config.pretrain, "update", interactive) as phase:
-            trainer.update(config.pretrain, phase)
-    trainer.schedules["train"].updates = trainer.schedules["train"].owed(trainer.counters.policy_steps)
+
+
+def agent_prefill(trainer):
+    """The official 2024 code's start: the untrained agent acts from the first step with its training
+    policy (its latents stored for the replay context) until the replay holds one batch of steps
+    (batch_size x batch_length, reset steps included, as the official `len(replay)` counts them) and
+    `prefill` frames have passed; the official code then trains once (recipe2024: pretrain 1) and
+    from there at the train ratio (embodied/run/train.py, elements.when.Ratio)."""
+    config = trainer.config
+    batch = tools.replayed_per_update(config)
+
+    def short():  # on every rank alike: under torchrun each holds its own replay
+        return bool(trainer.ranks.max(int(len(trainer.replay) < batch or trainer.frames < config.prefill)))
+
+    if short():
+        with logs.Phase("prefill", batch, "replay step", trainer.progress.interactive) as phase:
+            while short():
+                trainer.collect(trainer.policy)
+                phase.update(min(len(trainer.replay), batch))
+                trainer.agreement.settle(True)
+                trainer.stop_if_asked()
+
+
+PREFILLS = {"random": random_prefill, "agent": agent_prefill}  # by config.prefill_policy
 
 
 class SyncLoop:
@@ -1320,7 +1351,9 @@ def offline(flat):
 
 
 # Each module declares the choices it owns; one table is merged from them and checked once, by parse.
-CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.CHOICES, **parallel.CHOICES}
+RUN_CHOICES = {"prefill_policy": tuple(PREFILLS)}
+CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.CHOICES, **parallel.CHOICES,
+           **RUN_CHOICES}
 COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parallel.Resources)
 
 # Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat

@@ -997,7 +997,7 @@ class Resources:
                 costs, tasks, config.train_ratio, config.batch_size, config.batch_length, config.asynchronous,
                 envs=None if config.envs == "auto" else config.envs,
                 parallel=None if config.parallel == "auto" else config.parallel, threads=fixed_threads,
-                steps=max(1, (config.steps - config.prefill) // config.action_repeat))
+                steps=max(1, (config.steps - tools.prefill_frames(config)) // config.action_repeat))
             self.record = {"settings": self.settings(), "costs": costs, "decision": decision,
                            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "measure_s": round(time.time() - start, 1)}

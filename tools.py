@@ -551,10 +551,18 @@ class _Timed:
         self.seconds[self.name] += time.perf_counter() - self.start
 
 
+def prefill_frames(config):
+    """Frames the prefill lasts: `prefill`; with prefill_policy agent at least one batch of replay steps
+    (a few frames fewer where reset steps, which the replay holds too, fill part of it)."""
+    if config.prefill_policy == "agent":
+        return max(config.prefill, replayed_per_update(config) * config.action_repeat)
+    return config.prefill
+
+
 def total_updates(config):
     """Updates a run makes from its start to `steps` frames: the pretraining, then train_ratio replayed
     steps per policy step after the prefill (Trainer.train: the prefill's steps count as paid for)."""
-    policy_steps = max(0, config.steps - config.prefill) / config.action_repeat
+    policy_steps = max(0, config.steps - prefill_frames(config)) / config.action_repeat
     return config.pretrain + int(updates_owed(policy_steps, config.train_ratio, replayed_per_update(config)))
 
 

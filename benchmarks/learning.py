@@ -3,13 +3,13 @@
     python3 benchmarks/learning.py --tasks dmc_cheetah_run,dmc_walker_walk,dmc_reacher_easy --seeds 0,1,2 \\
         --official ~/dreamerv3 --official-python ~/dreamerv3/venv/bin/python --out ./logdir/learning \\
         --parallel 2 -- --configs dmc_proprio recipe2024 size1m --steps 2e4 --train_ratio 256 \\
-        --batch_size 16 --batch_length 32 --envs 1 --prefill 1024 --pretrain 0 --eval_episode_num 0 --device cpu
+        --batch_size 16 --batch_length 32 --envs 1 --eval_episode_num 0 --device cpu
 
 Runs tasks x seeds x codes (`--codes project,official`), each one process at `--threads` threads (1 by
 default), `--parallel` at once. Both codes get the same flags: everything after `--` plus `--task`,
 `--seed` and `--logdir OUT/TASK/CODE_sSEED`; `dreamer.py` takes them as they are, and
-`benchmarks/official.py` translates them to the official code's flags (see its docstring: it needs
-`--prefill` of one batch and `--pretrain 0`, since the official code has no random prefill).
+`benchmarks/official.py` translates them to the official code's flags (see its docstring: recipe2024's
+start, the untrained agent acting until the replay holds one batch, is the official code's).
 
 Resumable: a run that finished (exit status 0; `OUT/TASK/CODE_sSEED/runner.json` records it) is not
 started again; an unfinished one is rerun with the same command, and both codes resume from their

@@ -16,10 +16,10 @@ presets' value has no official flag and is refused (where the project logs, eval
 The official code at the commit the project follows (e3f0224) is the 2024 recipe, so the command must name
 `recipe2024`.
 
-Two differences the translation cannot remove, and how the runner (benchmarks/learning.py) meets them:
-- The official code has no random prefill: it trains once its replay holds one batch, collected by its own
-  (untrained) policy. The command must set `--prefill` to one batch of frames (batch_size x batch_length x
-  action_repeat) and `--pretrain 0`, so that both start training at the same frame.
+How the two runs start, and what the translation cannot remove:
+- The start: the official code has no random prefill; it trains once its replay holds one batch, collected by
+  its own untrained policy, then at the train ratio. recipe2024's start is the same (`--prefill_policy agent
+  --prefill 0 --pretrain 1`, dreamer.agent_prefill); a command that changes it is refused.
 - Its train script does not evaluate: only training-episode returns are compared (`train/return`).
 
 The wrapper's own flags: `--official DIR` (a checkout of danijar/dreamerv3 with its requirements installed
@@ -79,7 +79,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # (recipe2024's, the official code's) one optimizer steps every network at model_lr, warm-up, agc and
 # opt_eps, so the actor's and critic's own optimizer keys change nothing (the project warns of them).
 TRANSLATED = ("task", "seed", "steps", "train_ratio", "batch_size", "batch_length", "envs", "action_repeat",
-              "precision", "replay_context", "replay_online", "device", "prefill", "pretrain", "dataset_size",
+              "precision", "replay_context", "replay_online", "device", "prefill", "prefill_policy", "pretrain",
+              "dataset_size",
               "model_lr", "warmup", "agc", "opt_eps", "actor.lr", "critic.lr", "actor.eps", "critic.eps")
 # Keys that change nothing the official run computes: where and how often the project logs, evaluates and
 # saves, and its own machinery (dreamer.FREE_ON_RESUME, but the asynchronous loop, which the official
@@ -138,13 +139,13 @@ def settle(argv):
 
 
 def check_start(config):
-    """The official code trains once its replay holds one batch, with no random prefill."""
-    batch_frames = config.batch_size * config.batch_length * config.action_repeat
-    if config.prefill != batch_frames or config.pretrain != 0:
+    """The official code's start, recipe2024's own: its untrained policy acts until the replay holds one batch,
+    then one update and the train ratio from there (dreamer.agent_prefill)."""
+    if config.prefill_policy != "agent" or config.prefill != 0 or config.pretrain != 1:
         raise OfficialError(
-            f"--prefill {config.prefill:g} --pretrain {config.pretrain}: the official code has no random "
-            f"prefill and starts training at one batch of frames; pass --prefill {batch_frames} --pretrain 0 "
-            "so that both codes start training at the same frame")
+            f"--prefill_policy {config.prefill_policy} --prefill {config.prefill:g} --pretrain {config.pretrain}: "
+            "the official code starts with its untrained policy and trains once its replay holds one batch; "
+            "leave recipe2024's start (--prefill_policy agent --prefill 0 --pretrain 1)")
     if config.steps % config.action_repeat:
         raise OfficialError(f"--steps {config.steps:g} is not a multiple of --action_repeat {config.action_repeat}")
 

@@ -22,8 +22,7 @@ import learning  # noqa: E402
 import official  # noqa: E402
 
 SETTINGS = ["--configs", "dmc_proprio", "recipe2024", "size1m", "--steps", "2e3", "--train_ratio", "256",
-            "--batch_size", "16", "--batch_length", "32", "--envs", "1", "--prefill", "1024", "--pretrain", "0",
-            "--eval_episode_num", "0", "--device", "cpu"]
+            "--batch_size", "16", "--batch_length", "32", "--envs", "1", "--eval_episode_num", "0", "--device", "cpu"]
 
 STAND_IN_SETUP = '''
 import os
@@ -118,7 +117,8 @@ def test_the_optimizer_and_replay_settings_reach_the_official_flags(tmp_path):
     (["--configs", "dmc_proprio", "size1m"], "must name recipe2024"),
     (["--configs", "dmc_proprio", "recipe2024"], "model size"),
     (["--configs", "recipe2024", "size1m"], "suite preset"),
-    (["--prefill", "2500"], "--prefill 1024 --pretrain 0"),
+    (["--prefill", "2500"], "leave recipe2024's start"),
+    (["--prefill_policy", "random"], "--prefill_policy random --prefill 0 --pretrain 1"),
     (["--task", "atari_pong"], "one DMC task"),
     (["--steps", "1e9x"], "Invalid value"),
     (["--units", "128"], "--units 128: no official flag carries this"),
