@@ -976,6 +976,8 @@ class Resources:
         """The config with envs and parallel settled (a new one; the same without 'auto')."""
         import torch
 
+        import tools
+
         config = self.config
         if not self.auto:
             return config
