@@ -1006,6 +1006,7 @@ class Checkpoints:
                                     f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
                                     "or another --logdir")
         changes = self.restore(state)
+        notes += self.restore_replay(state)
         self.saved_frames = self.frames
         if changes:
             notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
@@ -1027,7 +1028,8 @@ class Checkpoints:
         the main process, None on the others, which write nothing."""
         counters, schedules, ranks = self.counters, self.schedules, self.ranks
         # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-        own = ranks.gather_object({"rng": tools.rng_state(self.replay.rng), "stored_steps": counters.stored_steps})
+        own = ranks.gather_object({"rng": tools.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
+                                   "replay": self.replay.context_state(list(self.agent.context.spec))})
         if not ranks.is_main:
             self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
             return None
@@ -1038,7 +1040,8 @@ class Checkpoints:
             "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
                           "eval": schedules["eval"].last},
             "rng": own[0]["rng"],
-            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng and stored_steps
+            "replay": own[0]["replay"],  # the written-back latents and the online queue (Replay.context_state)
+            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng, stored_steps and replay
             "world_size": ranks.world_size,
         }
 
@@ -1063,8 +1066,18 @@ class Checkpoints:
         self.schedules["log"].last = state["schedules"]["log"]
         self.schedules["eval"].last = state["schedules"]["eval"]
         rank = self.ranks.rank
-        tools.set_rng_state(state["ranks"][rank - 1]["rng"] if rank else state["rng"], self.replay.rng)
+        own = state["ranks"][rank - 1] if rank else state
+        tools.set_rng_state(own["rng"], self.replay.rng)
         return changes
+
+    def restore_replay(self, state):
+        """The replay's latents and online queue (Replay.context_state) over the steps the episode files
+        reloaded; a line for the summary when some could not be placed."""
+        rank = self.ranks.rank
+        missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
+        return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
+                "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
+                "policy's, stand in)"] if missed else []
 
 
 class NonFiniteError(RuntimeError):

@@ -404,6 +404,35 @@ def stored_steps(directory):
 # ==================================================================================================
 
 
+def _alignment(stream, saved, least=16):
+    """The shift d (saved position = the stream's logical position + d) at which a checkpoint's saved
+    steps (Replay.context_state) lie on the held ones: 0 if they agree there, else a d found from the
+    first held step with a non-zero action (reset steps all look alike) at which every overlapping
+    step has the same action and reward, over at least `least` steps (or all that overlap); None if
+    there is none."""
+    held, count = len(stream), len(saved["reward"])
+    if not held:
+        return None
+    phys = stream.indices(np.zeros(1, np.int64), held)[0]
+    mine = {k: np.asarray(torch.as_tensor(stream.gather(stream.data[k], phys)).cpu()) for k in ("action", "reward")}
+    theirs = {k: saved[k].numpy() for k in ("action", "reward")}
+
+    def agree(shift):
+        lo, hi = max(0, shift), min(count, held + shift)
+        return hi - lo >= min(least, held, count) and all(
+            np.array_equal(mine[k][lo - shift:hi - shift], theirs[k][lo:hi]) for k in mine)
+
+    if agree(0):
+        return 0
+    moving = np.flatnonzero(np.abs(mine["action"].reshape(held, -1)).sum(1) > 0)
+    if not len(moving):
+        return None
+    anchor = moving[0]
+    same = (theirs["action"].reshape(count, -1) == mine["action"][anchor].reshape(1, -1)).all(1)
+    same &= theirs["reward"] == mine["reward"][anchor]
+    return next((int(j) - anchor for j in np.flatnonzero(same) if agree(int(j) - anchor)), None)
+
+
 class Stream:
     """Ring buffer of consecutive steps from one environment, as growable arrays: numpy arrays in
     host memory, or with `device` torch tensors there (replay_device), which a batch is gathered
@@ -485,7 +514,7 @@ class Replay:
     stream's newest L steps form a sequence that shares no step with the stream's previous queued
     one, that sequence is queued, and batches of length L take queued sequences first, oldest first,
     each once, before uniform ones; so every step is trained on soon after it arrives. Steps loaded
-    from files (add_episode) are not queued, and the queue is not saved with a checkpoint.
+    from files (add_episode) are not queued; a checkpoint keeps the queue (context_state).
 
     Thread-safe: an actor thread may add while the learner samples (a sample copies its steps out
     under the lock, so a later add never changes a batch already taken).
@@ -525,6 +554,50 @@ class Replay:
         with self.lock:
             for t in range(length):
                 self.streams[stream].add({k: v[t] for k, v in episode.items()})
+
+    def context_state(self, keys):
+        """What a checkpoint keeps of the replay beyond its episode files, so that a resumed run samples
+        what the straight one would: per stream the held steps' `keys` (the replay context's latents,
+        written back after every update: the files hold the policy's) with their actions and rewards,
+        which place them again after a reload (`load_context_state`), and the online queue. Tensors
+        and plain data, for a checkpoint that loads with weights_only."""
+        with self.lock:
+            streams = []
+            for stream in self.streams:
+                held = len(stream)
+                phys = stream.indices(np.zeros(1, np.int64), held)[0]
+                streams.append({key: torch.as_tensor(stream.gather(stream.data[key], phys)).cpu()
+                                for key in (*keys, "action", "reward")} if held else {})
+            # Queued sequences by their logical start (0 = the oldest step held), which survives a reload.
+            queue = [[stream, first - self.streams[stream].first()] for stream, first in self.queue
+                     if first >= self.streams[stream].first()]
+            return {"streams": streams, "queue": queue}
+
+    def load_context_state(self, state):
+        """Put a checkpoint's `context_state` back into the replay reloaded from the episode files. Each
+        stream's saved steps are placed on the reloaded ones by their actions and rewards: the files
+        hold the saved steps but those of episodes still running at the save (which a resumed run
+        starts afresh), and after a kill -9 the steps stored since; a replay that had dropped steps at
+        its capacity reloads a later window. Returns the number of streams whose steps were not found
+        (their latents stay the files' and their queued sequences are dropped)."""
+        missed = 0
+        with self.lock:
+            self.queue.clear()
+            for index, (stream, saved) in enumerate(zip(self.streams, state["streams"])):
+                shift = _alignment(stream, saved) if saved else 0  # saved position = reloaded position + shift
+                if shift is None:
+                    missed += 1
+                    continue
+                if saved:
+                    count = len(saved["reward"])
+                    lo, hi = max(0, shift), min(count, len(stream) + shift)  # the saved steps reloaded
+                    latents = {k: v[lo:hi].numpy() for k, v in saved.items() if k not in ("action", "reward")}
+                    if latents and hi > lo:
+                        stream.write(stream.first() + lo - shift, latents)
+                for queued, start in state["queue"]:
+                    if queued == index and 0 <= start - shift <= len(stream) - 1:
+                        self.queue.append((index, stream.first() + start - shift))
+        return missed
 
     def ready(self, length):
         with self.lock:

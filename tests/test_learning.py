@@ -205,10 +205,14 @@ def test_a_tiny_agent_beats_random_actions_and_its_untrained_actor_on_steering(t
 
 # 10-step episodes towards one fixed target (an environment's random state is not in a checkpoint: the
 # resumed run builds its environments afresh, so only episodes that do not depend on it continue alike).
-# After the 10-frame prefill the run logs and evaluates at frames 10, 50 and at its end, 90.
-RESUME = ["--time_limit", "0", "--prefill", "10", "--pretrain", "2", "--batch_size", "4", "--batch_length", "8",
+# v1 prefills 10 frames of random actions and then logs and evaluates at frames 10, 50 and at its end, 90;
+# the 2024 recipe's agent acts from the first step until the replay holds a batch (32 steps) and 30 frames
+# have passed, and then logs and evaluates at 30, 70 and 90. Each stops where it logs at an episode's end.
+RESUME = ["--time_limit", "0", "--pretrain", "2", "--batch_size", "4", "--batch_length", "8",
           "--train_ratio", "16", "--eval_every", "40", "--log_every", "40", "--eval_episode_num", "1",
           "--save_every", "0"]
+START = {"v1": ["--prefill", "10"], "recipe2024": ["--prefill", "30"]}
+STOP = {"v1": 50, "recipe2024": 70}
 
 
 def exit_code(argv):
@@ -233,10 +237,15 @@ def stop_at(monkeypatch, frame):
     monkeypatch.setattr(dreamer.Trainer, "collect", collect_or_stop)
 
 
-def resume_flags(recipe, logdir, steps):
-    # The 2024 recipe without its replay context: see the test's docstring.
-    extra = ["--replay_context", "0"] if recipe == "recipe2024" else []
-    return flags(recipe, *RESUME, *extra, "--logdir", str(logdir), "--steps", str(steps))
+def resume_flags(recipe, logdir, steps, schedule=None):
+    """The 2024 recipe with its replay context and online queue, v1 without either (its own defaults);
+    RESUME and the recipe's START unless `schedule` is given."""
+    schedule = [*RESUME, *START[recipe]] if schedule is None else schedule
+    return flags(recipe, *schedule, "--logdir", str(logdir), "--steps", str(steps))
+
+
+def stored_episodes(logdir):
+    return list(storage.load_episodes(logdir / "train_eps", 10**6))
 
 
 @pytest.fixture(scope="module", params=list(RECIPES))
@@ -249,30 +258,67 @@ def straight_run(request, tmp_path_factory):
     return request.param, logdir
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state(recipe, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The quick tier's resume check, in-process and small (batch 2 x 8, one update per step, 40 frames):
+    the same run in one go and stopped by a Ctrl-C at frame 20 (after its updates and log, at an episode's
+    end), then rerun. At the end their checkpoints equal bitwise in everything they hold: every weight
+    (the slow critic's and the return normalisation's EMAs among them), every optimizer's moments and step
+    counts, the counters, the schedules, the torch, numpy, python and replay-sampler random states, and the
+    replay's written-back latents and online queue (the 2024 recipe's replay context); so do the episode
+    files, and the resumed run neither prefills nor pretrains again."""
+    schedule = ["--time_limit", "0", "--prefill", "20", "--pretrain", "1", "--batch_size", "2", "--batch_length",
+                "8", "--train_ratio", "16", "--eval_every", "20", "--log_every", "20", "--eval_episode_num", "1",
+                "--save_every", "0"]
+    argv = lambda logdir: resume_flags(recipe, logdir, 40, schedule)  # noqa: E731
+    steering_envs(monkeypatch, length=10, goals=[0.75])
+    dreamer.main(argv(tmp_path / "straight"))
+    with monkeypatch.context() as stopped:
+        stop_at(stopped, 20)
+        assert exit_code(argv(tmp_path / "split")) == 130
+    capsys.readouterr()
+    dreamer.main(argv(tmp_path / "split"))
+    out = capsys.readouterr().out
+    assert "Run: resumed from frame 20" in out and "prefill:" not in out and "pretrain:" not in out, out
+    a, b = (storage.load_checkpoint(tmp_path / name / "latest.pt") for name in ("straight", "split"))
+    assert a["counters"]["updates"] >= 20 and a["counters"]["policy_steps"] == 40
+    assert set(a) >= {"agent", "optimizers", "counters", "schedules", "rng", "replay"}
+    held = len(a["replay"]["streams"][0]["reward"])
+    assert held == 4 * 11  # four whole episodes, each with its reset step
+    if recipe == "recipe2024":  # the training posteriors written back, not the policy's latents or zeros
+        assert {"latent_deter", "latent_stoch"} <= set(a["replay"]["streams"][0])
+    assert_same_state(a, b)
+    episodes = [stored_episodes(tmp_path / name) for name in ("straight", "split")]
+    assert len(episodes[0]) == len(episodes[1]) == 4
+    for x, y in zip(*episodes):
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "steps"])
 def test_a_run_stopped_at_an_update_boundary_and_resumed_ends_as_the_straight_run(straight_run, tmp_path, monkeypatch,
                                                                                    capsys, stop):
-    """The straight run against the same run stopped at frame 50 and rerun to 90, stopped by a Ctrl-C
-    after the step's updates, evaluation and log (ctrl-c) or by ending at --steps 50 (steps): weights,
-    optimizer states, counters, schedules and random states equal bitwise at the end, and so do the
-    logged metrics (but timings and the environments' status, counted per process).
+    """The straight run against the same run stopped at an episode's end where it logs (frame 50, or 70 for
+    the 2024 recipe) and rerun to 90, stopped by a Ctrl-C after the step's updates, evaluation and log
+    (ctrl-c) or by ending at --steps there (steps): weights, optimizer states, counters, schedules, random
+    states and the replay's written-back latents equal bitwise at the end, and so do the logged metrics
+    (but timings and the environments' status, counted per process).
 
     A Ctrl-C between two logs loses the metrics of the updates since the last (they are in memory
-    only); nothing else. The 2024 recipe runs here without its replay context: the latents written
-    back into the replay after each update are kept in memory only, and a resumed run replays the
-    ones its episode files hold (the policy's), so that its updates differ from the first on."""
+    only); nothing else."""
     recipe, straight = straight_run
+    frame = STOP[recipe]
     steering_envs(monkeypatch, length=10, goals=[0.75])
     split = tmp_path / "split"
     if stop == "ctrl-c":
         with monkeypatch.context() as stopped:
-            stop_at(stopped, 50)
+            stop_at(stopped, frame)
             assert exit_code(resume_flags(recipe, split, 90)) == 130
     else:
-        dreamer.main(resume_flags(recipe, split, 50))
+        dreamer.main(resume_flags(recipe, split, frame))
     dreamer.main(resume_flags(recipe, split, 90))
-    assert "resumed from frame 50" in capsys.readouterr().out
+    assert f"resumed from frame {frame}" in capsys.readouterr().out
     a, b = (storage.load_checkpoint(logdir / "latest.pt") for logdir in (straight, split))
     assert a["counters"]["updates"] > 30
     assert_same_state(a, b)
@@ -311,16 +357,16 @@ def fixed_batches(agent, episodes, size):
 
 
 # How far each loss must fall (last / first). Measured: model 0.90 (v1), 0.97 (2024); decoder 0.63, 0.91;
-# reward 0.991 (v1); with no learning each is exactly 1.
-FALLS = {"model_loss": 0.99, "state_loss": 0.95, "reward_loss": 1.0}
+# reward 0.991, 0.994; continue 0.81, 0.92; with no learning each is exactly 1.
+FALLS = {"model_loss": 0.99, "state_loss": 0.95, "reward_loss": 1.0, "cont_loss": 0.97}
 UPDATE_MODES = [("v1", "sequential"), ("v1", "joint"), ("recipe2024", "joint"), ("recipe2024", "sequential")]
 
 
 @pytest.mark.parametrize("recipe, update", UPDATE_MODES)
 def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(recipe, update):
     """32 updates on four fixed batches of random-action episodes, in turn, each batch's update drawing
-    the same random numbers every time: the world model's loss and its decoder and reward terms over the
-    last four updates are below those over the first four, on the same batches with the same draws (so
+    the same random numbers every time: the world model's loss and its decoder, reward and continue terms
+    over the last four updates are below those over the first four, on the same batches with the same draws (so
     that with no learning they would be equal). The 2024 recipe's warm-up is cut to 8 updates; the joint
     update needs REINFORCE actor gradients."""
     extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
@@ -330,7 +376,7 @@ def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(rec
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
     batches = fixed_batches(agent, random_episodes(16, length=length - 1), 4)
-    losses = {key: [] for key in ("model_loss", "state_loss", "reward_loss")}
+    losses = {key: [] for key in FALLS}
     for i in range(32):
         torch.manual_seed(i % 4)
         metrics = agent.update.train_step(batches[i % 4])
@@ -339,6 +385,73 @@ def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(rec
     for key, values in losses.items():
         first, last = np.mean(values[:4]), np.mean(values[-4:])
         assert np.isfinite(values).all() and last < FALLS[key] * first, (key, values)
+
+
+# How far the critic's losses must fall (last / first). Measured: imagined returns 0.87 (v1), 0.76 (2024);
+# replayed returns 0.77 (2024).
+CRITIC_FALLS = {"critic_loss": 0.95, "critic_repval_loss": 0.95}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_critics_value_error_falls_on_a_fixed_replay(recipe):
+    """32 updates as in the world-model test above, with the world model and the actor held still (learning
+    rate 1e-30, update 'sequential' so that each network has its own) and the critic's raised to 1e-3: the
+    imagined returns it regresses to are then fixed, and its loss on them over the last four updates is below
+    that over the first four, as is the 2024 recipe's replayed-return loss (repval)."""
+    argv = flags(recipe, "--update", "sequential", "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
+                 "--model_lr", "1e-30", "--actor.lr", "1e-30", "--critic.lr", "1e-3")
+    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    tools.seed_everything(0, False)
+    agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
+    length = config.batch_length + agent.context.steps
+    batches = fixed_batches(agent, random_episodes(16, length=length - 1), 4)
+    losses = {key: [] for key in CRITIC_FALLS if key != "critic_repval_loss" or config.critic.repval}
+    for i in range(32):
+        torch.manual_seed(i % 4)
+        metrics = agent.update.train_step(batches[i % 4])
+        for key, values in losses.items():
+            values.append(float(metrics[key]))
+    assert len(losses) == (2 if recipe == "recipe2024" else 1)
+    for key, values in losses.items():
+        first, last = np.mean(values[:4]), np.mean(values[-4:])
+        assert np.isfinite(values).all() and last < CRITIC_FALLS[key] * first, (key, values)
+
+
+# The learners of one update, by the names of their parameters: each must move in every update mode.
+LEARNERS = {"encoder": ("wm.encoder.",), "sequence model": ("wm.rssm.cell.", "wm.rssm.img_in.", "wm.rssm.initial"),
+            "prior": ("wm.rssm.img_out.", "wm.rssm.img_stats."),
+            "posterior": ("wm.rssm.obs_out.", "wm.rssm.obs_stats."),
+            "decoder": ("wm.heads.decoder.",), "reward head": ("wm.heads.reward.",),
+            "continue head": ("wm.heads.cont.",), "actor": ("task_behavior.actor.",),
+            "critic": ("task_behavior.critic.",), "slow critic": ("task_behavior.slow_critic.",),
+            "return normalisation": ("task_behavior.return_norm.",)}
+
+
+@pytest.mark.parametrize("recipe, update", UPDATE_MODES)
+def test_four_updates_move_every_weight_of_every_learner(recipe, update):
+    """Four updates on fixed batches of random-action episodes change every parameter tensor of every
+    learner (the encoder, the sequence model, the prior, the posterior, each head, the actor, the critic),
+    the slow critic's weights (it follows the critic) and the return normalisation's EMAs: a learner left
+    out of its optimizer, whose loss lost its gradient, or whose target never moves, stays put. Four, since
+    the 2024 recipe's LaProp makes no step at its first update and zero-initialised output layers pass no
+    gradient to the layers below them before they move; free nats 0, since below them the KL trains nothing."""
+    extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
+    argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
+                 "--kl_free", "0", *extra)
+    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    tools.seed_everything(0, False)
+    agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
+    length = config.batch_length + agent.context.steps
+    batches = fixed_batches(agent, random_episodes(8, length=length - 1), 4)
+    before = {k: v.detach().clone() for k, v in agent.state_dict().items()}
+    for i in range(4):
+        agent.update.train_step(batches[i % 2])
+    after = agent.state_dict()
+    named = {name: [k for k in before if k.startswith(prefixes) and before[k].is_floating_point()]
+             for name, prefixes in LEARNERS.items()}
+    assert all(named.values()), {name: keys for name, keys in named.items() if not keys}
+    still = {name: [k for k in keys if torch.equal(before[k], after[k])] for name, keys in named.items()}
+    assert not any(still.values()), {name: keys for name, keys in still.items() if keys}
 
 
 @pytest.mark.slow
@@ -382,3 +495,29 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
     assert all(state["updates"] == updates for state in optimizers["task"].values()), optimizers["task"].keys()
     owed = (90 - 10) * 16 / (4 * 8) + 2  # the train ratio's updates for the steps after the prefill, and pretrain
     assert abs(updates - owed) <= 2 + 16 / (4 * 8), (updates, owed)
+
+
+# -- --eval_only scores the checkpoint's weights ---------------------------------------------------------------
+
+
+def test_eval_only_scores_the_checkpoints_weights_not_a_fresh_agents(tmp_path, monkeypatch):
+    """A short run's checkpoint with its actor made to steer to +1 whatever it sees (the mean layer's weights
+    zero, its bias 5: tanh(5) = 0.9999), evaluated by --eval_only with the policy's mode on a target at 0.75:
+    every episode scores what that constant action scores, by hand 0.5 + 0.75 + 1.0 + 7 x 0.75 = 7.5, and
+    returns.json says so (a fresh agent's actor, of random weights, steers elsewhere)."""
+    steering_envs(monkeypatch, length=10, goals=[0.75])
+    logdir = tmp_path / "run"
+    argv = flags("v1", "--time_limit", "0", "--prefill", "10", "--pretrain", "1", "--batch_size", "2",
+                 "--batch_length", "8", "--eval_episode_num", "0", "--eval_sample", "False", "--save_every", "0",
+                 "--logdir", str(logdir))
+    dreamer.main([*argv, "--steps", "10"])
+    state = storage.load_checkpoint(logdir / "latest.pt")
+    mean = "task_behavior.actor.out.parts.0"
+    state["agent"][f"{mean}.weight"].zero_()
+    state["agent"][f"{mean}.bias"].fill_(5.0)
+    storage.save_checkpoint(logdir / "latest.pt", state)
+    dreamer.main([*argv, "--steps", "10", "--eval_only", "--eval_episode_num", "2"])
+    result = json.loads((logdir / "eval_only" / "returns.json").read_text())
+    by_hand = 0.5 + 0.75 + 1.0 + 7 * 0.75
+    assert result["frame"] == 10 and len(result["returns"]) == 2
+    assert np.allclose(result["returns"], by_hand, atol=1e-3), result

@@ -292,6 +292,68 @@ def test_a_replay_without_the_queue_samples_as_before():
 # ---------------------------------------------------------------------------------------------
 
 
+def context_steps(count, seed=0):
+    """`count` steps of an environment stream with random actions, counting rewards and a latent each."""
+    rng = np.random.default_rng(seed)
+    return [{"action": rng.uniform(-1, 1, 2).astype(np.float32), "reward": np.float32(t),
+             "is_first": np.bool_(t % 10 == 0), "latent_deter": np.full(3, -1.0, np.float32)} for t in range(count)]
+
+
+def written_back(replay, steps):
+    """A replay holding `steps`, its latents then overwritten as an update's write-back would: step t's is t."""
+    for step in steps:
+        replay.add(step)
+    held = len(replay.streams[0])
+    first = replay.streams[0].first()
+    ids = np.arange(first, first + held, dtype=np.float32)
+    replay.update([[0, first]], {"latent_deter": np.repeat(ids[None, :, None], 3, 2)})
+    return replay
+
+
+def latents(replay):
+    stream = replay.streams[0]
+    phys = stream.indices(np.zeros(1, np.int64), len(stream))[0]
+    return stream.data["latent_deter"][phys, 0], stream.data["reward"][phys]
+
+
+@pytest.mark.parametrize("reloaded, placed", [
+    (slice(0, 50), 50),   # the files hold all: a run stopped at an episode's end
+    (slice(0, 40), 40),   # an episode still running at the save is not in the files
+    (slice(0, 60), 50),   # after a kill -9 the files hold 10 steps stored since the save
+    (slice(20, 60), 30),  # the replay had dropped its oldest steps: a later window reloads
+])
+def test_a_checkpoints_replay_latents_and_queue_go_back_onto_the_reloaded_steps(reloaded, placed):
+    """Replay.context_state / load_context_state: the written-back latents land on the steps they were
+    computed for, found by action and reward, whatever part of the saved steps the files hold; the files'
+    latents stay on steps the checkpoint did not hold; queued sequences keep their steps."""
+    steps = context_steps(60)
+    saved = written_back(storage.Replay(100, 1, online=8), steps[:50])
+    state = saved.context_state(["latent_deter"])
+    queued = [first for _, first in saved.queue]
+    assert queued == [1, 9, 17, 25, 33, 41]  # the official online queue: a sequence of 8 every 8 steps
+    reload = storage.Replay(100, 1, online=8)
+    for step in steps[reloaded]:
+        reload.add_episode({k: np.asarray(v)[None] for k, v in step.items()})
+    assert reload.load_context_state(state) == 0
+    latent, reward = latents(reload)
+    # Steps the checkpoint held carry their written-back latent (= their reward here), the others the files' -1.
+    expected = np.where(reward < 50, reward, -1.0)
+    assert np.array_equal(latent, expected) and (latent >= 0).sum() == placed
+    # Each queued sequence still starts at the same step, by its reward, if reloaded.
+    starts = [float(reward[first - reload.streams[0].first()]) for _, first in reload.queue]
+    assert starts == [float(steps[first]["reward"]) for first in queued if reloaded.start <= first < reloaded.stop]
+
+
+def test_a_checkpoints_replay_state_that_fits_no_reloaded_step_is_counted_not_placed():
+    saved = written_back(storage.Replay(100, 1, online=8), context_steps(50))
+    state = saved.context_state(["latent_deter"])
+    other = storage.Replay(100, 1, online=8)
+    for step in context_steps(50, seed=1):  # other actions: another run's episodes
+        other.add(step)
+    assert other.load_context_state(state) == 1
+    assert (latents(other)[0] == -1).all() and not other.queue
+
+
 def test_every_fires_once_per_interval():
     every = tools.Every(10)
     steps = [0, 3, 9, 10, 11, 19, 20, 35, 39, 40, 41, 100]

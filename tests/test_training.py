@@ -268,24 +268,3 @@ def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_
     for name in ("first update", "first policy step"):
         assert f"compile warm-up ({name}): 0/1 calls" in out
         assert out.count(f"compile warm-up ({name}): done, 1 calls in") == 1
-
-
-def test_a_rerun_restores_the_checkpoints_counters_and_schedules(tmp_path, capsys):
-    """The quick tier's resume check, in-process and small: a run of a 50-frame prefill and two
-    pretraining updates, then a rerun to 52 frames (one policy step, too few for an update): it
-    resumes every counter of latest.pt and pretrains no more (a counter not restored would pretrain
-    anew)."""
-    import dreamer
-
-    flags = ["--configs", "debug", "--device", "cpu", "--prefill", "50", "--pretrain", "2", "--eval_episode_num",
-             "0", "--video_pred_log", "False", "--logdir", str(tmp_path / "run")]
-    dreamer.main([*flags, "--steps", "50"])
-    saved = torch.load(tmp_path / "run" / "latest.pt", weights_only=False)
-    assert saved["counters"]["updates"] == 2 and saved["counters"]["policy_steps"] == 25
-    capsys.readouterr()
-    dreamer.main([*flags, "--steps", "52"])
-    out = capsys.readouterr().out
-    assert "Run: resumed from frame 50" in out and "pretrain:" not in out, out
-    state = torch.load(tmp_path / "run" / "latest.pt", weights_only=False)
-    assert state["counters"]["updates"] == 2 and state["counters"]["policy_steps"] == 26
-    assert state["schedules"]["train"] == saved["schedules"]["train"]  # no update owed for one policy step
