@@ -683,6 +683,10 @@ def cost_lines(config, spec, free=None):
              f"the end ({steps:,} steps x {step:,} bytes; at its capacity of {config.dataset_size:,} steps "
              f"{gb(capacity)}); episode files at most {gb(step * 1e6)} per million steps on disk (compressed .npz, "
              "images usually less)"]
+    kept = {k: v for k, v in spec.items() if k.startswith(LATENT) or k in ("action", "reward")}
+    if any(k.startswith(LATENT) for k in kept):  # Replay.context_state: the written-back latents, saved
+        lines[0] += (f"; checkpoints {gb(step_bytes(kept) * steps)} by the end (the replay's latents, actions "
+                     "and rewards, which a resumed run needs to sample as the straight one)")
     if free is not None and replay > free:
         fix = "lower --dataset_size" + (", or --replay_device False" if config.replay_device else "")
         lines.append(f"WARNING: the replay will hold {gb(replay)} by the end ({steps:,} steps) and {gb(free)} of "

@@ -286,10 +286,12 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state
     assert set(a) >= {"agent", "optimizers", "counters", "schedules", "rng", "replay"}
     held = len(a["replay"]["streams"][0]["reward"])
     assert held == 4 * 11  # four whole episodes, each with its reset step
-    if recipe == "recipe2024":  # the training posteriors written back, not the policy's latents or zeros
-        assert {"latent_deter", "latent_stoch"} <= set(a["replay"]["streams"][0])
-    assert_same_state(a, b)
     episodes = [stored_episodes(tmp_path / name) for name in ("straight", "split")]
+    if recipe == "recipe2024":  # the training posteriors written back over most of the policy's latents
+        saved = a["replay"]["streams"][0]["latent_deter"].numpy()
+        files = np.concatenate([e["latent_deter"] for e in episodes[0]])  # the policy's, in the replay's order
+        assert saved.shape == files.shape and (saved != files).any(-1).mean() > 0.5
+    assert_same_state(a, b)
     assert len(episodes[0]) == len(episodes[1]) == 4
     for x, y in zip(*episodes):
         assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
@@ -521,3 +523,44 @@ def test_eval_only_scores_the_checkpoints_weights_not_a_fresh_agents(tmp_path, m
     by_hand = 0.5 + 0.75 + 1.0 + 7 * 0.75
     assert result["frame"] == 10 and len(result["returns"]) == 2
     assert np.allclose(result["returns"], by_hand, atol=1e-3), result
+
+
+# -- prefill_policy: who acts before training, and when training starts ---------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["agent", "random"])
+def test_prefill_policy_chooses_who_acts_before_training_and_when_it_starts(policy, tmp_path, monkeypatch):
+    """recipe2024 with its own start (agent: the official code's) and with random actions. agent: the
+    untrained agent acts from the first step, so every step but an episode's last carries the policy's
+    latent, and the first update comes once the replay holds one batch (2 x 8 = 16 steps, reset steps
+    included), with `prefill` 0; then one update (pretrain 1) and the train ratio. random: `prefill` frames
+    of uniform random actions in the box, with zero latents, then the same."""
+    steering_envs(monkeypatch, length=10, goals=[0.75])
+    seen = []  # (replay steps, frames, updates asked) at each call that asks for updates
+    update = dreamer.Trainer.update
+
+    def record(self, count, phase=None):
+        if count:
+            seen.append((len(self.replay), self.frames, count))
+        return update(self, count, phase)
+
+    monkeypatch.setattr(dreamer.Trainer, "update", record)
+    logdir = tmp_path / "run"
+    start = ["--prefill", "0"] if policy == "agent" else ["--prefill_policy", "random", "--prefill", "12"]
+    dreamer.main(flags("recipe2024", "--time_limit", "0", "--batch_size", "2", "--batch_length", "8",
+                       "--train_ratio", "16", "--eval_episode_num", "0", "--save_every", "0", "--steps", "30",
+                       *start, "--logdir", str(logdir)))
+    replay_steps, frames, count = seen[0]
+    if policy == "agent":
+        assert replay_steps == 16 and frames == 14 and count == 1, seen[0]  # 11 + 5 stored steps, 10 + 4 taken
+    else:
+        assert frames == 12 and count == 1, seen[0]
+    episodes = stored_episodes(logdir)
+    # The posterior's sample (one-hot classes: never zero once computed); the last step's is never computed.
+    latent = np.abs(episodes[0]["latent_stoch"][:-1]).reshape(10, -1).sum(-1)
+    if policy == "agent":
+        assert (latent > 0).all()
+    else:
+        assert (latent == 0).all() and (np.abs(episodes[0]["action"]) <= 1).all()
+    end = storage.load_checkpoint(logdir / "latest.pt")["counters"]
+    assert end["updates"] == 1 + (30 - frames)  # pretrain 1, then 16 / (2 x 8) = one update per step
