@@ -6,6 +6,7 @@ pytest in copies of the stand-in (and git), so tests/conftest.py counts them slo
 import hashlib
 import importlib.util
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -223,7 +224,10 @@ def test_the_copy_holds_the_repository_files_and_keep_keeps_it(repo, capsys):
     out = capsys.readouterr().out
     assert "2 passed" in row(out, "(clean)")  # -k left test_scale_is_a_number out
     kept = pathlib.Path(out.strip().splitlines()[-1].split(" in ")[-1])
-    copies = sorted(kept.glob("*/repo"))
-    assert len(copies) == 2 and all(sorted(p.name for p in c.parent.iterdir()) == ["repo"] for c in copies)
-    assert any("a - b" in (c / "tiny.py").read_text() for c in copies)
-    assert (repo / "tiny.py").read_text() == TINY
+    try:
+        copies = sorted(kept.glob("*/repo"))
+        assert len(copies) == 2 and all(sorted(p.name for p in c.parent.iterdir()) == ["repo"] for c in copies)
+        assert any("a - b" in (c / "tiny.py").read_text() for c in copies)
+        assert (repo / "tiny.py").read_text() == TINY
+    finally:
+        shutil.rmtree(kept)
