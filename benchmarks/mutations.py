@@ -1,7 +1,7 @@
 """Mutation battery: does the fast test tier fail when the learner is broken?
 
     python3 benchmarks/mutations.py [--list] [--only critic_no_grad,entropy_sign] [--pytest-args "-k train"] \\
-        [--keep] [--out FILE]
+        [--keep] [--out FILE] [--jobs N]
 
 Each mutation (MUTATIONS below) is a small, named source change that models a slip a researcher could
 make: one or more edits, each an exact old text of a file (relative to the repository root) and the
@@ -26,7 +26,8 @@ line), `caught (collection error)` (the copy does not even import or collect: we
 syntax slip would do the same; a mutation should be a behaviour change that still imports), `ESCAPED`
 (every fast test passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
 a crash; counted as not caught). The last line gives the totals and the seconds of the whole battery.
-`--out FILE` also writes the report as a markdown table; `--keep` keeps the copies, the logs and the
+`--jobs N` runs N mutations at once (after the clean copy, which runs alone), each pytest process at one
+thread; the report keeps the table's order. `--out FILE` also writes the report as a markdown table; `--keep` keeps the copies, the logs and the
 XML reports (and prints where).
 
 Exit status: 0 when the clean copy passed and every mutation run was caught, 1 otherwise. Mistakes
@@ -41,6 +42,7 @@ that tests/test_mutations.py checks the mechanics on a stand-in repository.
 """
 
 import argparse
+import concurrent.futures
 import os
 import pathlib
 import shlex
@@ -173,6 +175,22 @@ MUTATIONS = [
                    "old": "            context.write_back(self.feed, ids, batch)  # also into the batch sampled "
                           "ahead\n",
                    "new": ""}],
+    },
+    {
+        "name": "latents_not_checkpointed",
+        "slip": "a resumed run leaves the checkpoint's replay state unread: the replay context starts again "
+                "from the files' latents (the policy's) and the online queue from empty",
+        "edits": [{"file": "dreamer.py",
+                   "old": "        missed = self.replay.load_context_state(",
+                   "new": "        missed = 0 and self.replay.load_context_state("}],
+    },
+    {
+        "name": "agent_prefill_random",
+        "slip": "the official start (prefill_policy agent) collects with uniform random actions and zero "
+                "latents, as the v1 prefill does",
+        "edits": [{"file": "dreamer.py",
+                   "old": 'PREFILLS = {"random": random_prefill, "agent": agent_prefill}',
+                   "new": 'PREFILLS = {"random": random_prefill, "agent": random_prefill}'}],
     },
     {
         "name": "eval_fresh_weights",
@@ -492,9 +510,10 @@ def stamp(root):
 # ==================================================================================================
 
 
-def battery(root, mutations, extra=(), keep=False, out=None, stream=None):
-    """The clean copy, then each of `mutations`, in copies of the files under `root`; prints the report
-    to `stream` (stdout) and returns the exit status (0: clean passed and every mutation caught)."""
+def battery(root, mutations, extra=(), keep=False, out=None, stream=None, jobs=1):
+    """The clean copy, then each of `mutations` (`jobs` at a time, each a pytest process of its own), in
+    copies of the files under `root`; prints the report to `stream` (stdout), in the table's order, and
+    returns the exit status (0: clean passed and every mutation caught)."""
     stream = sys.stdout if stream is None else stream
     root = pathlib.Path(root).resolve()
     files = repository_files(root)
@@ -512,12 +531,12 @@ def battery(root, mutations, extra=(), keep=False, out=None, stream=None):
         if clean["status"] != "passed":
             say(f"The clean copy fails the fast tier ({verdict(clean, True)}): no mutation was run")
         else:
-            for mutation in mutations:
-                result = run_one(root, files, mutation, work, extra)
-                results.append(result)
-                say(report_line(result))
-                if not keep:
-                    shutil.rmtree(result["copy"].parent, ignore_errors=True)
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+                for result in pool.map(lambda mutation: run_one(root, files, mutation, work, extra), mutations):
+                    results.append(result)
+                    say(report_line(result))
+                    if not keep:
+                        shutil.rmtree(result["copy"].parent, ignore_errors=True)
         seconds = time.monotonic() - start
         say(totals(results, clean, seconds))
         if out is not None:
@@ -540,13 +559,18 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv):
     parser = Parser(prog="mutations.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                     usage="python3 benchmarks/mutations.py [--list] [--only NAMES] [--pytest-args ARGS] [--keep] "
-                          "[--out FILE]")
+                          "[--out FILE] [--jobs N]")
     parser.add_argument("--list", action="store_true", help="print the mutations' names, one a line")
     parser.add_argument("--only", help="comma-separated names of the mutations to run (default: all)")
     parser.add_argument("--pytest-args", default="", help="more arguments for every pytest run (one string)")
     parser.add_argument("--keep", action="store_true", help="keep the copies, logs and XML reports")
     parser.add_argument("--out", type=pathlib.Path, help="also write the report there as a markdown table")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="mutations run at once, each pytest at OMP_NUM_THREADS (1); the clean copy runs alone "
+                             "first (default 1)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        raise BatteryError(f"--jobs {args.jobs}: valid: a whole number >= 1")
     try:
         args.extra = shlex.split(args.pytest_args)
     except ValueError as e:
@@ -563,7 +587,7 @@ def main(argv=None, table=MUTATIONS, root=ROOT):
             print("\n".join(check_table(table)))
             return 0
         mutations = select(table, args.only)
-        return battery(root, mutations, args.extra, args.keep, args.out)
+        return battery(root, mutations, args.extra, args.keep, args.out, jobs=args.jobs)
     except BatteryError as e:
         print(f"mutations.py: {e}", file=sys.stderr)
         return 2
