@@ -27,8 +27,8 @@ syntax slip would do the same; a mutation should be a behaviour change that stil
 (every fast test passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
 a crash; counted as not caught). The last line gives the totals and the seconds of the whole battery.
 `--jobs N` runs N mutations at once (after the clean copy, which runs alone), each pytest process at one
-thread; the report keeps the table's order. `--out FILE` also writes the report as a markdown table; `--keep` keeps the copies, the logs and the
-XML reports (and prints where).
+thread; the report keeps the table's order. `--out FILE` also writes the report as a markdown table;
+`--keep` keeps the copies, the logs and the XML reports (and prints where).
 
 Exit status: 0 when the clean copy passed and every mutation run was caught, 1 otherwise. Mistakes
 (an unknown --only name, a bad flag, a checkout that git does not know, a mutation whose old text

@@ -95,8 +95,9 @@ def test_the_replay_context_stores_and_writes_back_tensors_on_the_device():
 @pytest.mark.slow  # two in-process training runs
 def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path, capsys):
     logdir = tmp_path / "run"
+    # debug's one-frame random prefill: recipe2024's own start would act until one batch (200 steps) is held.
     flags = ["--configs", "debug", "recipe2024", "--device", DEVICE, "--replay_device", "True", "--time_limit", "40",
-             "--logdir", str(logdir)]
+             "--prefill_policy", "random", "--logdir", str(logdir)]
     dreamer.main([*flags, "--steps", "60"])  # one whole episode of 20 steps stored, one running
     first = torch.load(logdir / "latest.pt", weights_only=False)["counters"]
     assert first["policy_steps"] == 30 and first["updates"] > 0

@@ -260,8 +260,9 @@ def spaces_of(agent):
 
 def test_a_run_trains_saves_and_resumes_with_the_whole_update_compiled(backend, tmp_path, capsys):
     logdir = tmp_path / "run"
+    # debug's one-frame random prefill: recipe2024's own start would act until one batch (200 steps) is held.
     flags = ["--configs", "debug", "recipe2024", *SHORT[2:], "--compile", "update", "--eval_episode_num", "1",
-             "--logdir", str(logdir)]
+             "--prefill_policy", "random", "--logdir", str(logdir)]
     dreamer.main([*flags, "--steps", "60"])
     out = capsys.readouterr().out
     assert "Compile: on, the whole update" in out and "compile warm-up (first update)" in out
