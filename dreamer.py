@@ -1074,7 +1074,11 @@ class Checkpoints:
         """The replay's latents and online queue (Replay.context_state) over the steps the episode files
         reloaded; a line for the summary when some could not be placed."""
         rank = self.ranks.rank
-        missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
+        saved = (state["ranks"][rank - 1] if rank else state).get("replay")
+        if saved is None:  # saved before checkpoints kept it
+            return ["WARNING: the checkpoint holds no replay state (saved by an earlier version): the replay's "
+                    "latents are the episode files' and its online queue starts empty"]
+        missed = self.replay.load_context_state(saved)
         return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
                 "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
                 "policy's, stand in)"] if missed else []
