@@ -692,12 +692,12 @@ class Trainer:
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
             try:
-                metrics = (self.first_calls("first update", train_step, batch, *on_device) if self.agent.compiled
-                           else train_step(batch, *on_device))  # the whole update: models.Update.train_step
+                metrics, latents = (self.first_calls("first update", train_step, batch, *on_device)
+                                    if self.agent.compiled else train_step(batch, *on_device))  # models.Update
             except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
                 self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
                 raise
-            context.write_back(self.feed, ids, batch)  # also into the batch sampled ahead
+            context.write_back(self.feed, ids, latents)  # also into the batch sampled ahead
             self.counters.updates += 1
             if phase is not None:
                 phase.update(i + 1)

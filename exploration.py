@@ -1,9 +1,9 @@
 """Exploration behaviours: uniform random actions and Plan2Explore (Sekar et al., 2020).
 
-A behaviour offers `actor(feat) -> distribution` for acting and `train_step(start, start_cont,
-post, embed, data) -> metrics` for learning. The task actor-critic (greedy) lives in models.py;
-it keeps learning the extrinsic reward whichever behaviour collects the data, and it is the one
-that is evaluated.
+A behaviour offers `actor(feat) -> distribution` for acting and `train_step(post, embed, data) ->
+metrics` for learning, from the task update's posteriors (models.Update.train_step). The task
+actor-critic (greedy) lives in models.py; it keeps learning the extrinsic reward whichever
+behaviour collects the data, and it is the one that is evaluated.
 """
 
 import torch
@@ -30,7 +30,7 @@ class Random(nn.Module):
         low = torch.full(shape, -1.0, device=feat.device)
         return torch.distributions.Independent(torch.distributions.Uniform(low, -low), 1)
 
-    def train_step(self, start, start_cont, post, embed, data):
+    def train_step(self, post, embed, data):
         return {}
 
 
@@ -178,12 +178,21 @@ class Plan2Explore(nn.Module):
         return [(self, "ensemble_loss"), (self.optimizer.opt, "step"),
                 *models.behavior_regions(self.behavior, self.optimizers)]
 
-    def train_step(self, start, start_cont, post, embed, data):
+    def train_step(self, post, embed, data):
+        """The ensemble's step on the posteriors post (B, T, ...) and embeddings, then its
+        actor-critic's from the same states (models.behavior_losses, as the task's), its world model
+        and ensemble frozen; its optimizers step it. Returns metrics."""
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
-        # The actor's dynamics gradient flows through the ensemble; its weights need no gradient.
-        with models.frozen(self.ensemble):  # the world model's are frozen by behavior_step
-            metrics.update(models.behavior_step(self.behavior, self.optimizers, start, start_cont))
+        behavior = self.behavior
+        # The actor's dynamics gradient flows through the world model and the ensemble; their
+        # weights need none.
+        with models.frozen(self.wm[0], self.ensemble):
+            terms, behavior_metrics = models.behavior_losses(behavior, post, data, replay=False)
+        with models.profiled("actor_critic_backward"), models.autocast(self.config):
+            behavior_metrics.update(models.step(self.optimizers, terms, self.wm[0].scales))
+        behavior.update_slow_critic()
+        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
         metrics.update(self.reward_stats)
         return metrics
 

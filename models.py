@@ -91,17 +91,39 @@ VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and criti
 # ==================================================================================================
 
 
-BEHAVIOR_TERMS = ("actor", "critic", "repval")  # the actor-critic's terms of the loss-scale table
+# The one table of the loss's terms, named as the official Agent.loss names them: each term's scale
+# (a config key, or a fixed number) and the optimizer that steps it under update 'sequential' (under
+# 'joint' one optimizer steps them all). `rec` stands for one term per decoded observation key, named
+# after the key, as the official `loss_scales.rec`. Each term is computed by one function
+# (WorldModel.HEAD_LOSSES, networks.RSSM.kl_loss, ActorCritic.loss, ActorCritic.replay_loss), and
+# Update.train_step checks on every update that the terms computed are exactly these. Changing a
+# scale is one line here or in configs.yaml; adding a term is its function and a row.
+LOSS_TERMS = {
+    "rec": (1.0, "model"),
+    "rew": ("reward_head.loss_scale", "model"),
+    "con": ("cont_head.loss_scale", "model"),
+    "dyn": ("dyn_scale", "model"),
+    "rep": ("rep_scale", "model"),
+    "policy": (1.0, "actor"),
+    "value": (1.0, "critic"),
+    "repval": ("critic.repval", "critic"),  # 0 (v1): the replay value loss is not computed
+}
 
 
 def loss_scales(config, decoder_keys):
-    """The one table of loss scales, as the official code's `loss_scales`: every term of the world
-    model's loss (each decoded observation key, reward, cont, and the KL's dyn and rep) and of the
-    actor-critic's (actor, critic, and the replay value loss repval). A term computed without an
-    entry here, or an entry of the world model's never computed, is an error."""
-    return {**{key: 1.0 for key in decoder_keys}, "reward": config.reward_head.loss_scale,
-            "cont": config.cont_head.loss_scale, "dyn": config.dyn_scale, "rep": config.rep_scale,
-            "actor": 1.0, "critic": 1.0, "repval": config.critic.repval}
+    """{term: scale} of LOSS_TERMS for this config, `rec` expanded to each decoded key."""
+    flat = tools.flatten(config.to_dict())
+    scales = {}
+    for term, (scale, _) in LOSS_TERMS.items():
+        value = flat[scale] if isinstance(scale, str) else scale
+        scales.update(dict.fromkeys(decoder_keys, value) if term == "rec" else {term: value})
+    return scales
+
+
+def terms_of(optimizer, scales):
+    """The terms of `scales` (loss_scales) that `optimizer` ('model', 'actor' or 'critic') steps
+    under update 'sequential'."""
+    return tuple(term for term in scales if LOSS_TERMS.get(term, LOSS_TERMS["rec"])[1] == optimizer)
 
 
 class WorldModel(nn.Module):
@@ -129,11 +151,7 @@ class WorldModel(nn.Module):
                              f"known: {', '.join(self.HEAD_LOSSES)}")
         networks.reinit(self, config.winit)
         self.scales = loss_scales(config, self.heads["decoder"].keys)  # every term of every loss
-        self.terms = set(self.scales) - set(BEHAVIOR_TERMS)  # this model's own
-        missing = {*self.heads["decoder"].keys, "reward", "cont", "dyn", "rep"} - self.terms
-        if missing:
-            raise ValueError("World-model loss terms without a scale in models.loss_scales: "
-                             + ", ".join(sorted(missing)))
+        self.terms = terms_of("model", self.scales)  # this model's own
 
     def preprocess(self, obs):
         """numpy/tensor batch -> float tensors on the device; images to [0, 1], cont = 1 - terminal."""
@@ -170,9 +188,6 @@ class WorldModel(nn.Module):
             losses.update(self.HEAD_LOSSES[name](self, pred, data))
         metrics = {f"{k}_loss": (v * scales[k]).detach().mean() for k, v in losses.items()}
         losses["dyn"], losses["rep"], dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free)
-        if set(losses) != self.terms:
-            raise ValueError(f"World-model loss terms {sorted(losses)} differ from the scaled ones "
-                             f"{sorted(self.terms)} (models.loss_scales)")
         kl = scales["dyn"] * losses["dyn"] + scales["rep"] * losses["rep"]
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
@@ -183,10 +198,10 @@ class WorldModel(nn.Module):
         return {key: -dist.log_prob(data[key]) for key, dist in pred.items()}
 
     def reward_loss(self, pred, data):
-        return {"reward": -pred.log_prob(data["reward"])}
+        return {"rew": -pred.log_prob(data["reward"])}
 
     def cont_loss(self, pred, data):
-        return {"cont": -pred.log_prob(self.cont_target(data["cont"])[..., None])}
+        return {"con": -pred.log_prob(self.cont_target(data["cont"])[..., None])}
 
     # The loss terms of each head, unscaled; a head without an entry is an error at construction.
     HEAD_LOSSES = {"decoder": decoder_loss, "reward": reward_loss, "cont": cont_loss}
@@ -349,7 +364,7 @@ class ActorCritic(nn.Module):
 
     def loss(self, start, start_cont):
         """Imagine from the start states (N, ...) with their continue flags (N,) and return the loss
-        terms {"actor": (N,), "critic": (N,)} (unscaled, each the mean over the imagined steps of
+        terms {"policy": (N,), "value": (N,)} (unscaled, each the mean over the imagined steps of
         its start state), the λ-returns (H, N) and metrics, without stepping.
 
         The two terms send gradients only into their own network, so that one backward pass of
@@ -367,8 +382,7 @@ class ActorCritic(nn.Module):
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
                     # Rewards of the states reached, steps 1..H: (H, N).
                     reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
-                    weights = {k: v.detach() for k, v in self.critic.named_parameters()}
-                    value = torch.func.functional_call(self.critic, weights, (feat,), strict=True).mean()  # (H+1, N)
+                    value = self.values(feat)  # (H+1, N)
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
                 # The weight discounts losses of states the model believes lie past an episode end.
@@ -378,27 +392,29 @@ class ActorCritic(nn.Module):
                 policy = self.actor.dist(policy_out[:-1])
                 # The baseline keeps its gradient, as in v1: the dynamics gradient of the advantage
                 # also flows through v(s_t) of the imagined states (into the actor only).
-                actor, metrics = self.actor_loss(feat, action, returns, weight, policy, value[:-1])
+                actor, metrics = self.actor_loss(action, returns, weight, policy, value[:-1])
             with profiled("critic"):
                 critic_dist = self.critic.dist(self.critic.raw(feat.detach())[:-1])
                 critic, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 metrics.update(critic_metrics)
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
                        imag_value=value.detach().mean())
-        return {"actor": actor, "critic": critic}, returns, metrics
+        return {"policy": actor, "value": critic}, returns, metrics
 
-    def actor_loss(self, feat, action, returns, weight, policy=None, base=None):
+    def values(self, feat):
+        """The critic's values of feat (..., F) with its weights detached: the λ-returns bootstrap
+        from them and the actor's baseline is them, so that only the critic's own loss trains it
+        while the dynamics gradient still flows through feat."""
+        weights = {k: v.detach() for k, v in self.critic.named_parameters()}
+        return torch.func.functional_call(self.critic, weights, (feat,), strict=True).mean()
+
+    def actor_loss(self, action, returns, weight, policy, base):
         """Policy gradient on normalised λ-returns plus the entropy bonus (Eq. 6), per start state
-        (N,): the weighted mean over the imagined steps 0..H-1.
-
-        `policy` and `base` (the critic's values) at steps 0..H-1 are computed from feat unless given;
-        the dynamics gradient flows through both the returns and the base.
+        (N,): the weighted mean over the imagined steps 0..H-1 of the rollout's `action` (H+1, N, A),
+        under the actor's distribution `policy` at steps 0..H-1 and the critic's values `base` there
+        (`values`); the dynamics gradient flows through both the returns and the base.
         """
         config = self.config
-        if policy is None:
-            policy = self.actor(feat[:-1].detach())
-        if base is None:
-            base = self.critic(feat[:-1]).mean()
         if self.return_norm is not None:
             offset, scale = self.return_norm(returns)
         else:
@@ -422,14 +438,11 @@ class ActorCritic(nn.Module):
                    "advantage": advantage.detach().mean()}
         return (weight[:-1] * loss).mean(0), metrics
 
-    def critic_loss(self, feat, returns, weight, dist=None):
+    def critic_loss(self, feat, returns, weight, dist):
         """The critic learns the imagined λ-returns (and the slow critic's predictions, `regress`),
-        per start state (N,): the weighted mean over the imagined steps 0..H-1.
-
-        `dist`, the critic's prediction at steps 0..H-1, is computed from feat unless given.
+        per start state (N,): the weighted mean over the imagined steps 0..H-1 of `dist`, its
+        prediction at the features feat[:-1].
         """
-        if dist is None:
-            dist = self.critic(feat[:-1])
         loss = self.regress(dist, feat[:-1], returns)
         return (weight[:-1] * loss).mean(0), {"critic_value": dist.mean().detach().mean()}
 
@@ -481,14 +494,16 @@ OPTIMIZER_KEYS = {"model": ("model_lr", "opt_eps", "grad_clip"), "actor": ("acto
 
 def behavior_optimizers(config, behavior):
     """An actor's and a critic's optimizers ({name: (Optimizer, its terms)}), with their own
-    settings (actor.lr, actor.eps, actor.grad_clip and the critic's); the critic's also steps the
-    replay value loss."""
+    settings (actor.lr, actor.eps, actor.grad_clip and the critic's), each stepping its terms of
+    LOSS_TERMS (the critic's: value and the replay value loss)."""
     scaler, schedule = use_scaler(config), {"agc": config.agc, "warmup": config.warmup}
+    scales = behavior.wm[0].scales
     return {"actor": (Optimizer("actor", behavior.actor.parameters(), config.actor.lr, config.actor.eps,
-                                config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule), ("actor",)),
+                                config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
+                      terms_of("actor", scales)),
             "critic": (Optimizer("critic", behavior.critic.parameters(), config.critic.lr, config.critic.eps,
                                  config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
-                       ("critic", "repval"))}
+                       terms_of("critic", scales))}
 
 
 def sequential_optimizers(config, world_model, behavior):
@@ -533,13 +548,18 @@ def ignored_keys(config):
             f"critic with {model}; use --update sequential for an optimizer per network"]
 
 
-def check_terms(losses, scales, batch, length):
+def check_terms(losses, scales, optimizers, batch, length):
     """Every term of the loss has a scale and every scale a term (repval only where it weighs
-    anything), each term (B, T), the replay value loss (B, T - 1) (its last step has no return)."""
+    anything), an optimizer steps each ({name: (Optimizer, terms)}, terms None: all), each term
+    is (B, T), the replay value loss (B, T - 1) (its last step has no return)."""
     expected = {k for k in scales if k != "repval" or scales["repval"]}
     if set(losses) != expected:
         raise KeyError(f"loss terms {sorted(set(losses) - expected)} have no scale and scales "
-                       f"{sorted(expected - set(losses))} no term (models.loss_scales)")
+                       f"{sorted(expected - set(losses))} no term (models.LOSS_TERMS)")
+    groups = [terms for _, terms in optimizers.values()]
+    unstepped = [] if None in groups else sorted(set(losses) - {term for terms in groups for term in terms})
+    if unstepped:
+        raise KeyError(f"loss terms {unstepped} are stepped by no optimizer (models.LOSS_TERMS)")
     for key, value in losses.items():
         shape = (batch, length - 1) if key == "repval" else (batch, length)
         assert value.shape == shape, (key, tuple(value.shape), shape)
@@ -591,9 +611,10 @@ class Update:
 
     def train_step(self, batch, data=None):
         """One update on a replayed batch (B, K + T, ...) of numpy arrays with K replay_context
-        steps (`data`: the same already on the device); returns tensor metrics. With K > 0 the
-        first K steps give only the start latent, and the training posteriors replace the batch's
-        latents of the T trained steps afterwards (ReplayContext.store), for the write-back."""
+        steps (`data`: the same already on the device). Returns (tensor metrics, the latents to
+        write back): with K > 0 the first K steps give only the start latent, and the training
+        posteriors of the T trained steps are returned to replace their stored latents
+        (ReplayContext.write_back); with K = 0, None."""
         config, wm, behavior, scales = self.config, self.wm, self.behavior, self.wm.scales
         data = wm.preprocess(batch if data is None else data)
         latent, data = self.context.split(data)  # the stored start latent (None: the initial state)
@@ -606,47 +627,47 @@ class Update:
             losses.update(terms)
             if self.sequential:  # the paper's order: the world model learns first, alone
                 metrics.update(step({"model": self.optimizers["model"]}, losses, scales))
-            # Imagination: from every posterior state, with its continue flag.
-            starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
-            starts_cont = data["cont"].reshape(-1)
-            # The actor's dynamics gradient flows through the world model; its weights need none.
+            # Imagination, then Replay (behavior_losses, which exploration behaviours share). The
+            # actor's dynamics gradient flows through the world model; its weights need none where
+            # it stepped already.
             with frozen(wm) if self.sequential else contextlib.nullcontext():
-                terms, returns, behavior_metrics = behavior.loss(starts, starts_cont)
-            losses.update({k: v.unflatten(0, (size, length)) for k, v in terms.items()})  # (N,) -> (B, T)
-            # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones.
-            if config.critic.repval:
-                feat = wm.rssm.get_feat(post)  # (B, T, F); under 'joint' with its graph
-                losses["repval"] = behavior.replay_loss(feat.detach() if self.sequential else feat, data,
-                                                        returns[0].detach().reshape(size, length))
-                behavior_metrics["critic_repval_loss"] = losses["repval"].detach().mean()
-            check_terms(losses, scales, size, length)
+                terms, behavior_metrics = behavior_losses(behavior, post, data, bool(config.critic.repval),
+                                                          replay_graph=not self.sequential)
+            losses.update(terms)
+            check_terms(losses, scales, self.optimizers, size, length)
             rest = {name: group for name, group in self.optimizers.items() if name != "model"}
             with profiled("backward"):
                 metrics.update(step(rest, losses, scales))
         behavior.update_slow_critic()
         if not self.sequential:  # each network's share of the one loss, as the sequential update logs it
-            for name, terms in (("model", wm.terms), ("actor", ("actor",)), ("critic", ("critic", "repval"))):
-                metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms).detach()
+            for name in ("model", "actor", "critic"):
+                metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms_of(name, scales)).detach()
         metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
         post = {k: v.detach() for k, v in post.items()}
         if self.exploration is not None:  # its own learners, from the same posteriors (B, T, ...)
-            metrics.update(self.exploration.train_step(starts, starts_cont, post, embed.detach(), data))
-        self.context.store(batch, post)
-        return metrics
+            metrics.update(self.exploration.train_step(post, embed.detach(), data))
+        return metrics, self.context.latents(post)
 
 
-def behavior_step(behavior, optimizers, start, start_cont):
-    """One step of an actor-critic of its own (Plan2Explore's) on its imagination loss from the
-    start states (N, ...) with their continue flags (N,), the world model frozen; its
-    `optimizers` ({name: (Optimizer, terms)}, behavior_optimizers) step it. Returns its metrics
-    under its prefix."""
-    scales = behavior.wm[0].scales
-    with frozen(behavior.wm[0]):
-        terms, _, metrics = behavior.loss(start, start_cont)
-    with profiled("actor_critic_backward"), autocast(behavior.config):
-        metrics.update(step(optimizers, terms, scales))
-    behavior.update_slow_critic()
-    return {behavior.prefix + k: v for k, v in metrics.items()}
+def behavior_losses(behavior, post, data, replay, replay_graph=False):
+    """The Imagination and Replay parts of the loss for an actor-critic (the task's, or an
+    exploration behaviour's): imagine from every posterior state post (B, T, ...) with its continue
+    flag, and with `replay` also the replay value loss on the replayed sequences, bootstrapped from
+    the imagined returns (its features keep their graph with `replay_graph`: under 'joint' the loss
+    trains the representation too). Returns ({term: (B, T), repval (B, T - 1)}, metrics); the
+    caller steps the terms with its optimizers."""
+    size, length = data["is_first"].shape
+    # Imagination: from every posterior state, with its continue flag.
+    starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
+    terms, returns, metrics = behavior.loss(starts, data["cont"].reshape(-1))
+    losses = {k: v.unflatten(0, (size, length)) for k, v in terms.items()}  # (N,) -> (B, T)
+    # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones.
+    if replay:
+        feat = behavior.wm[0].rssm.get_feat(post)  # (B, T, F)
+        losses["repval"] = behavior.replay_loss(feat if replay_graph else feat.detach(), data,
+                                                returns[0].detach().reshape(size, length))
+        metrics["critic_repval_loss"] = losses["repval"].detach().mean()
+    return losses, metrics
 
 
 # ==================================================================================================
@@ -696,27 +717,22 @@ class ReplayContext:
         rest = {k: v[:, self.steps:] for k, v in data.items() if not k.startswith(self.PREFIX)}
         return start, rest
 
-    def store(self, batch, post):
-        """Put the training posteriors post (B, T, ...) into `batch` (numpy, B, K + T, ...) in
-        place of the latents of the trained steps."""
+    def latents(self, post):
+        """The training posteriors post (B, T, ...) as the latents to store for the T trained steps:
+        {latent_deter: (B, T, D), latent_stoch: (B, T, S[, C])} float32 tensors; None for K = 0."""
         if not self.steps:
-            return
-        for key in ("deter", "stoch"):
-            name = self.PREFIX + key
-            if isinstance(batch[name], torch.Tensor):  # replay_device: it stays there
-                batch[name] = torch.cat([batch[name][:, :self.steps], post[key].detach().float()], 1)
-            else:
-                batch[name] = np.concatenate([np.asarray(batch[name])[:, :self.steps],
-                                              post[key].detach().float().cpu().numpy()], 1)
+            return None
+        return {self.PREFIX + key: post[key].detach().float() for key in ("deter", "stoch")}
 
-    def write_back(self, replay, ids, batch):
-        """Write the trained steps' latents of `batch` (see store) to the replay, to the steps
-        they were computed for; ids (B, 2) are the sampled sequences' first steps (Replay.sample)."""
-        if not self.steps:
+    def write_back(self, replay, ids, latents):
+        """Write the trained steps' `latents` (from `latents`; None: nothing) to the replay, to the
+        steps they were computed for; ids (B, 2) are the sampled sequences' first steps
+        (Replay.sample)."""
+        if latents is None:
             return
         ids = np.array(ids)
         ids[:, 1] += self.steps
-        replay.update(ids, {k: batch[k][:, self.steps:] for k in self.spec})
+        replay.update(ids, latents)
 
 
 

@@ -493,7 +493,7 @@ class Stream:
         phys = ids[held] % self.capacity  # a step's slot: its id modulo the capacity (see add)
         for key, value in values.items():
             if self.device is None:
-                self.data[key][phys] = np.asarray(value)[held]
+                self.data[key][phys] = host_array(value)[held]
             else:
                 value = torch.as_tensor(value, device=self.device)
                 self.data[key][torch.as_tensor(phys, device=self.device)] = value[torch.as_tensor(held,
@@ -779,6 +779,11 @@ class Prefetcher:
         self.replay.update(ids, values)
 
 
+def host_array(value):
+    """A numpy array of `value` (an array, or a tensor on any device: the written-back latents)."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
 def host_tensor(array):
     """The tensor a numpy array was made from by Tensor.numpy() (a pinned buffer), else a tensor
     sharing the array's memory."""
@@ -800,7 +805,7 @@ def overlay(batch, ids, length, written_ids, values):
             low, high = max(start, first), min(start + length, first + span)
             if low < high:
                 for key, value in values.items():
-                    value = value if isinstance(batch[key], torch.Tensor) else np.asarray(value)
+                    value = value if isinstance(batch[key], torch.Tensor) else host_array(value)
                     batch[key][r, low - start:high - start] = value[q, low - first:high - first]
 
 

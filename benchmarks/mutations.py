@@ -172,7 +172,7 @@ MUTATIONS = [
         "slip": "the trainer no longer writes the training posteriors back into the replay "
                 "(recipe2024's replay context keeps the collector's stale latents)",
         "edits": [{"file": "dreamer.py",
-                   "old": "            context.write_back(self.feed, ids, batch)  # also into the batch sampled "
+                   "old": "            context.write_back(self.feed, ids, latents)  # also into the batch sampled "
                           "ahead\n",
                    "new": ""}],
     },

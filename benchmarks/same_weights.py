@@ -144,10 +144,6 @@ os._exit(0)  # the official prefetch threads are not daemons
 GROUPS = (("encoder", "wm.encoder."), ("dynamics", "wm.rssm."), ("decoder", "wm.heads.decoder."),
           ("reward", "wm.heads.reward."), ("continue", "wm.heads.cont."), ("actor", "task_behavior.actor."),
           ("critic", "task_behavior.critic."))
-# The official loss terms by this project's names (rew/con/policy/value: reward/cont/actor/critic).
-TERMS = {"reward": "rew", "cont": "con", "actor": "policy", "critic": "value"}
-
-
 class SameWeightsError(ValueError):
     """A user mistake: one line, exit status 2."""
 
@@ -355,8 +351,7 @@ def report(official_terms, project_terms, rows, seeds, command, step=None):
              f"{seeds} seeds per code. Loss terms (mean over seeds ± standard error):", "",
              "| term | official | project |", "|---|---|---|"]
     for term in project_terms[0]:
-        name = TERMS.get(term, term)
-        off = [t[name] for t in official_terms if name in t]
+        off = [t[term] for t in official_terms if term in t]  # the two codes name the terms alike
         pro = [t[term] for t in project_terms]
         shown = f"{np.mean(off):.4f} ± {se(off):.4f}" if off else "(not logged)"
         lines.append(f"| {term} | {shown} | {np.mean(pro):.4f} ± {se(pro):.4f} |")

@@ -221,7 +221,7 @@ def main(argv=None):
     batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
     start = time.perf_counter()
     for batch in batches:
-        metrics = agent.update.train_step(batch)
+        metrics, _ = agent.update.train_step(batch)
     float(metrics["model_loss"])
     sync()
     seconds = (time.perf_counter() - start) / args.updates

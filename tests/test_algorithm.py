@@ -607,12 +607,24 @@ def perturb(module, seed):
             p.add_(0.5 * torch.randn(p.shape, generator=gen))
 
 
+def critic_loss_as_trained(ac, feat, returns, weight):
+    """ActorCritic.critic_loss given the critic's prediction as ActorCritic.loss computes it: at the
+    detached features of steps 0..H-1."""
+    return ac.critic_loss(feat.detach(), returns, weight, ac.critic.dist(ac.critic.raw(feat.detach())[:-1]))
+
+
+def actor_loss_as_trained(ac, feat, action, returns, weight):
+    """ActorCritic.actor_loss given the policy and baseline as ActorCritic.loss computes them: the
+    actor on the detached features of steps 0..H-1, the critic's values with its weights detached."""
+    return ac.actor_loss(action, returns, weight, ac.actor(feat[:-1].detach()), ac.values(feat)[:-1])
+
+
 @pytest.mark.parametrize("slow_target", [True, False])
 def test_critic_loss_two_hot_with_slow_regulariser(slow_target):
     _, _, ac = make_actor_critic("--critic.outscale", "1.0", "--critic.slow_target", str(slow_target))
     perturb(ac.slow_critic, 33)
     feat, returns, weight = critic_inputs(ac)
-    loss, _ = ac.critic_loss(feat, returns, weight)
+    loss, _ = critic_loss_as_trained(ac, feat, returns, weight)
     bins = np.linspace(-20, 20, 255)
     with torch.no_grad():
         log_probs = np_log_softmax(to_np(ac.critic(feat[:-1]).logits))
@@ -631,7 +643,7 @@ def test_critic_loss_symlog_mse_with_slow_regulariser():
     _, _, ac = make_actor_critic("--critic.outscale", "1.0", "--critic.dist", "symlog_mse")
     perturb(ac.slow_critic, 34)
     feat, returns, weight = critic_inputs(ac)
-    loss, _ = ac.critic_loss(feat, returns, weight)
+    loss, _ = critic_loss_as_trained(ac, feat, returns, weight)
     with torch.no_grad():
         pred = to_np(ac.critic.out(ac.critic.mlp(feat[:-1])))[..., 0]
         slow = to_np(ac.slow_critic.out(ac.slow_critic.mlp(feat[:-1])))[..., 0]
@@ -653,7 +665,7 @@ def test_actor_loss_modes_against_reference(mode):
     _, _, ac = make_actor_critic("--imag_gradient", mode, "--imag_gradient_mix", "0.3", "--actor.entropy", "0.05",
                                  "--critic.outscale", "1.0")
     feat, action, returns, weight = actor_inputs(ac)
-    loss, metrics = ac.actor_loss(feat, action, returns, weight)
+    loss, metrics = actor_loss_as_trained(ac, feat, action, returns, weight)
     # Reference: returns normalised by a fresh EMA (one update from zero) of the 5th/95th percentiles.
     r = to_np(returns)
     low, high = 0.01 * np.percentile(r, 5), 0.01 * np.percentile(r, 95)
@@ -686,7 +698,7 @@ def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
     """v1's ImagActorCritic.loss written plainly: adv = (ret - offset) / scale - (base - offset) / scale
     with base = v(s_t) NOT stop-gradded; backprop: -adv, reinforce: -log pi(a) * sg(adv); minus the
     entropy bonus, times the weight. Loss and gradient into the imagined features (which the
-    dynamics gradient carries back to the actor) both match; so does models.behavior_step."""
+    dynamics gradient carries back to the actor) both match."""
     _, _, ac = make_actor_critic("--imag_gradient", mode, "--actor.entropy", "0.05", "--critic.outscale", "1.0")
     feat, action, _, weight = actor_inputs(ac)
     feat.requires_grad_()
@@ -698,7 +710,7 @@ def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
         out = torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
         return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out)]
 
-    loss = ac.actor_loss(feat, action, returns, weight)[0].mean()
+    loss = actor_loss_as_trained(ac, feat, action, returns, weight)[0].mean()
     got = grads(loss)
 
     # Plain v1: one percentile EMA step from zero; the base carries its gradient.
@@ -728,7 +740,7 @@ def test_actor_loss_entropy_weight():
     values = {}
     for eta in (0.0, 0.3):
         ac.config = ac.config.replace({"actor.entropy": eta})  # the config is read-only: a new one
-        values[eta] = ac.actor_loss(feat, action, returns, weight)[0].mean().item()
+        values[eta] = actor_loss_as_trained(ac, feat, action, returns, weight)[0].mean().item()
     with torch.no_grad():
         std = to_np(ac.actor(feat[:-1]).dist.stddev)
     entropy = (0.5 * np.log(2 * np.pi * np.e * std ** 2)).sum(-1)
@@ -746,7 +758,7 @@ def test_actor_loss_onehot_reinforce_without_return_norm():
     action = torch.eye(4)[torch.randint(0, 4, (4, 3), generator=gen)]
     returns = torch.randn(3, 3, generator=gen) * 5
     weight = torch.rand(4, 3, generator=gen)
-    loss, _ = ac.actor_loss(feat, action, returns, weight)
+    loss, _ = actor_loss_as_trained(ac, feat, action, returns, weight)
     with torch.no_grad():
         raw = to_np(ac.actor.out(ac.actor.mlp(feat[:-1])))
         base = to_np(ac.critic(feat[:-1]).mean())
@@ -758,20 +770,38 @@ def test_actor_loss_onehot_reinforce_without_return_norm():
 
 
 def capture_actor_loss(ac, wm):
-    """Wrap actor_loss to record its inputs and, at that moment, the targets the reference needs."""
+    """Wrap the imagination and actor_loss to record the imagined features and the loss's inputs,
+    and at that moment the targets the reference needs."""
     seen = {}
-    original = ac.actor_loss
+    imagine, actor_loss = ac.imagine, ac.actor_loss
 
-    def wrapper(feat, action, returns, weight, *args):
+    def imagined(start):
+        feat, state, action, out = imagine(start)
         with torch.no_grad():
-            seen.update(feat=feat.detach().clone(), returns=returns.detach().clone(), weight=weight.clone(),
-                        value=ac.critic(feat[1:]).mean().clone(),
+            seen.update(feat=feat.detach().clone(), value=ac.critic(feat[1:]).mean().clone(),
                         cont=wm.heads["cont"](feat[1:]).mode()[..., 0].clone(),
                         reward=ac.reward_fn(feat, None, action).clone())
-        return original(feat, action, returns, weight, *args)
+        return feat, state, action, out
 
-    ac.actor_loss = wrapper
+    def recorded(action, returns, weight, *args):
+        seen.update(returns=returns.detach().clone(), weight=weight.clone())
+        return actor_loss(action, returns, weight, *args)
+
+    ac.imagine, ac.actor_loss = imagined, recorded
     return seen
+
+
+def behavior_update(config, wm, ac, start, start_cont):
+    """One step of an actor-critic with optimizers of its own, as Plan2Explore steps its: its terms
+    from the start states (N, ...) taken as one sequence (models.behavior_losses), the world model
+    frozen; returns the metrics."""
+    post = {k: v[None] for k, v in start.items()}
+    data = {"is_first": torch.zeros(1, len(start_cont)), "cont": start_cont[None]}
+    with models.frozen(wm):
+        terms, metrics = models.behavior_losses(ac, post, data, replay=False)
+    metrics.update(models.step(models.behavior_optimizers(config, ac), terms, wm.scales))
+    ac.update_slow_critic()
+    return metrics
 
 
 def test_train_step_weight_and_returns_against_reference():
@@ -783,7 +813,7 @@ def test_train_step_weight_and_returns_against_reference():
     seen = capture_actor_loss(ac, wm)
     start = start_states(wm, n=6)
     start_cont = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    metrics = models.behavior_step(ac, models.behavior_optimizers(config, ac), start, start_cont)
+    metrics = behavior_update(config, wm, ac, start, start_cont)
     cont = np.concatenate([to_np(start_cont)[None], to_np(seen["cont"])], 0)  # (H+1, N)
     assert 0 < cont[1:].mean() < 1
     gamma, horizon = 0.9, config.imag_horizon
@@ -807,7 +837,7 @@ def test_actor_gradient_reaches_the_bootstrap_value(mode):
     config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient",
                                        mode, reward_fn=lambda feat, state, action: feat.sum(-1) * 0.0)
     perturb(ac.slow_critic, 38)
-    metrics = models.behavior_step(ac, models.behavior_optimizers(config, ac), start_states(wm, n=6), torch.ones(6))
+    metrics = behavior_update(config, wm, ac, start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6
 
 

@@ -142,7 +142,7 @@ def updates(request):
     initial = copy.deepcopy(eager.state_dict())
     reference.load_state_dict(copy.deepcopy(initial))
     torch.manual_seed(1)  # the same latent and action samples in every update
-    metrics = eager.update.train_step(batch)
+    metrics, _ = eager.update.train_step(batch)
     results = {"eager": (eager, {k: float(v) for k, v in metrics.items()}), "flags": flags, "initial": initial,
                "batch": batch}
     torch.manual_seed(1)
@@ -159,7 +159,7 @@ def compiled(updates):
     agent, _ = make_agent_and_batch(True, *updates["flags"])
     agent.load_state_dict(copy.deepcopy(updates["initial"]))
     torch.manual_seed(1)
-    metrics = agent.update.train_step(updates["batch"])
+    metrics, _ = agent.update.train_step(updates["batch"])
     yield agent, {k: float(v) for k, v in metrics.items()}
     torch._inductor.config.fallback_random = False
 
@@ -211,7 +211,7 @@ def test_compiled_update_matches_eager_update(updates, compiled):
     """Same losses and the same parameters after one update, to float32 tolerance."""
     (eager, eager_metrics), (compiled, compiled_metrics) = updates["eager"], compiled
     assert eager_metrics.keys() == compiled_metrics.keys()
-    for key in ("model_loss", "kl_loss", "image_loss", "reward_loss", "actor_loss", "critic_loss",
+    for key in ("model_loss", "kl_loss", "image_loss", "rew_loss", "actor_loss", "critic_loss",
                 "model_grad_norm", "actor_grad_norm", "critic_grad_norm"):
         assert compiled_metrics[key] == pytest.approx(eager_metrics[key], rel=1e-3, abs=1e-5), key
     for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
@@ -250,7 +250,7 @@ def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
     assert not models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
     agent, batch = make_agent_and_batch(False, "--precision", "16")  # on DEVICE: float16 and scaling on CUDA
     assert agent.optimizers()["model"].scaler.is_enabled() is (torch.device(DEVICE).type == "cuda")
-    metrics = agent.update.train_step(batch)
+    metrics, _ = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
 
 

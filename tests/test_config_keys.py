@@ -240,12 +240,12 @@ def test_reward_and_cont_loss_scales_multiply_their_terms(spaces):
         loss = models.scaled_sum(terms, agent.wm.scales)
         results.append((loss.item(), {k: v.item() for k, v in metrics.items()}))
     (loss1, m1), (loss2, m2) = results
-    assert m1["reward_loss"] > 0 and m1["cont_loss"] > 0
-    assert m2["reward_loss"] == pytest.approx(2 * m1["reward_loss"], rel=1e-6)
-    assert m2["cont_loss"] == pytest.approx(3 * m1["cont_loss"], rel=1e-6)
+    assert m1["rew_loss"] > 0 and m1["con_loss"] > 0
+    assert m2["rew_loss"] == pytest.approx(2 * m1["rew_loss"], rel=1e-6)
+    assert m2["con_loss"] == pytest.approx(3 * m1["con_loss"], rel=1e-6)
     assert m2["image_loss"] == pytest.approx(m1["image_loss"], rel=1e-6)
     assert m2["kl_loss"] == pytest.approx(m1["kl_loss"], rel=1e-6)
-    assert loss2 - loss1 == pytest.approx(m1["reward_loss"] + 2 * m1["cont_loss"], rel=1e-4)
+    assert loss2 - loss1 == pytest.approx(m1["rew_loss"] + 2 * m1["con_loss"], rel=1e-4)
 
 
 def kl_case(spaces, reference, dyn_scale, rep_scale, free):
@@ -638,7 +638,7 @@ def first_update(logdir, *flags):
     seen, train_step = {}, models.Update.train_step
 
     def recording(self, batch):
-        metrics = train_step(self, batch)
+        metrics, _ = train_step(self, batch)
         seen.update(batch={k: np.array(v) for k, v in batch.items()},
                     metrics={k: v.detach().clone() for k, v in metrics.items()},
                     deterministic=torch.are_deterministic_algorithms_enabled())

@@ -5,7 +5,7 @@ free on resume declared once beside their readers, exhaustive dispatch, the trai
 one place, and imports in one direction (compilation of every network a preset builds:
 tests/test_compile.py)."""
 
-import ast
+import collections
 import pathlib
 
 import numpy as np
@@ -56,9 +56,13 @@ def test_loss_table_holds_every_term_with_its_configured_scale():
                           "0.7", "--rep_scale", "0.2", "--critic.repval", "0.3")
     scales = agent.wm.scales
     # cartpole's image and its two vectors are decoded: a term each
-    assert scales == {"image": 1.0, "position": 1.0, "velocity": 1.0, "reward": 0.5, "cont": 2.0, "dyn": 0.7,
-                      "rep": 0.2, "actor": 1.0, "critic": 1.0, "repval": 0.3}
-    assert agent.wm.terms == {"image", "position", "velocity", "reward", "cont", "dyn", "rep"}
+    # named as the official Agent.loss names them, in its order
+    assert scales == {"image": 1.0, "position": 1.0, "velocity": 1.0, "rew": 0.5, "con": 2.0, "dyn": 0.7,
+                      "rep": 0.2, "policy": 1.0, "value": 1.0, "repval": 0.3}
+    assert list(scales) == ["image", "position", "velocity", "rew", "con", "dyn", "rep", "policy", "value", "repval"]
+    assert agent.wm.terms == ("image", "position", "velocity", "rew", "con", "dyn", "rep")
+    assert {name: terms for name, (_, terms) in agent.update.optimizers.items()} == {
+        "model": agent.wm.terms, "actor": ("policy",), "critic": ("value", "repval")}
     # Plan2Explore's actor-critic reads the same table: there is one.
     p2e, _ = make_agent("--expl_behavior", "plan2explore")
     assert p2e.expl_behavior.behavior.wm[0] is p2e.wm
@@ -73,7 +77,7 @@ def test_reward_scale_multiplies_its_term_in_the_world_model_loss():
         data = agent.wm.preprocess(batch_for(agent, env))
         torch.manual_seed(1)
         terms, _, _, metrics = agent.wm.loss(data)
-        losses[scale] = (models.scaled_sum(terms, agent.wm.scales).item(), metrics["reward_loss"].item())
+        losses[scale] = (models.scaled_sum(terms, agent.wm.scales).item(), metrics["rew_loss"].item())
     assert losses[2.0][1] == pytest.approx(2 * losses[1.0][1], rel=1e-5)
     assert losses[2.0][0] - losses[1.0][0] == pytest.approx(losses[1.0][1], rel=1e-4, abs=1e-6)
 
@@ -101,22 +105,23 @@ def test_a_term_without_a_scale_fails_loudly(monkeypatch):
                         lambda self, pred, data: {**reward_loss(self, pred, data), "reward_aux": data["reward"]})
     with pytest.raises(KeyError, match="reward_aux"):
         agent.wm.loss(data)
-    # A table without an entry the model computes is refused when the model is built.
-    monkeypatch.setattr(models, "loss_scales", lambda config, keys: {"reward": 1.0, "cont": 1.0, "dyn": 1.0,
-                                                                      "rep": 1.0})
-    with pytest.raises(ValueError, match="without a scale in models.loss_scales: image, position, velocity"):
+    monkeypatch.undo()
+    # A table without the decoded keys' scale fails the first update, naming a term.
+    monkeypatch.setitem(models.LOSS_TERMS, "rec", ("no.such.key", "model"))
+    with pytest.raises(KeyError, match="no.such.key"):
         make_agent()
 
 
-def test_a_term_computed_but_not_in_the_model_terms_fails(monkeypatch):
+def test_a_term_with_a_scale_but_no_optimizer_fails_the_update(monkeypatch):
+    """A term computed and scaled that no optimizer of the sequential update steps would be dropped
+    silently: the update refuses it, naming it."""
     agent, env = make_agent()
-    data = agent.wm.preprocess(batch_for(agent, env))
-    monkeypatch.setitem(agent.wm.scales, "reward_aux", 1.0)
+    monkeypatch.setitem(agent.wm.scales, "reward_aux", 1.0)  # scaled, but in no optimizer's terms
     reward_loss = models.WorldModel.HEAD_LOSSES["reward"]
     monkeypatch.setitem(models.WorldModel.HEAD_LOSSES, "reward",
                         lambda self, pred, data: {**reward_loss(self, pred, data), "reward_aux": data["reward"]})
-    with pytest.raises(ValueError, match="differ from the scaled ones"):
-        agent.wm.loss(data)
+    with pytest.raises(KeyError, match=r"\['reward_aux'\] are stepped by no optimizer"):
+        agent.update.train_step(batch_for(agent, env))
 
 
 # -- one loss per learner, both update modes -----------------------------------------------------------
@@ -124,10 +129,11 @@ def test_a_term_computed_but_not_in_the_model_terms_fails(monkeypatch):
 
 @pytest.mark.parametrize("update", ["sequential", "joint"])
 def test_a_term_added_to_a_loss_reaches_both_update_modes(update, monkeypatch):
-    """A term added in WorldModel.loss and one added in ActorCritic.loss show up in the metrics and
-    move the weights of either update mode: neither mode has a loss of its own."""
+    """A term added as the README says (its function and a row of models.LOSS_TERMS) and one added
+    in ActorCritic.loss show up in the metrics and move the weights of either update mode: neither
+    mode has a loss of its own."""
     flags = ["--update", update] + (["--imag_gradient", "reinforce"] if update == "joint" else [])
-    scales, ac_loss = models.loss_scales, models.ActorCritic.loss
+    ac_loss = models.ActorCritic.loss
     reward_loss = models.WorldModel.HEAD_LOSSES["reward"]
 
     def reward_with_term(self, pred, data):  # a new term of the world model: a head's loss and a scale
@@ -137,18 +143,18 @@ def test_a_term_added_to_a_loss_reaches_both_update_modes(update, monkeypatch):
     def ac_with_term(self, start, start_cont):
         terms, returns, metrics = ac_loss(self, start, start_cont)
         extra = 1e3 * self.critic.out.bias.sum()
-        return {**terms, "critic": terms["critic"] + extra}, returns, {**metrics, "critic_extra_loss": extra.detach()}
+        return {**terms, "value": terms["value"] + extra}, returns, {**metrics, "critic_extra_loss": extra.detach()}
 
     results = {}
     for name, patched in (("plain", False), ("patched", True)):
         if patched:
-            monkeypatch.setattr(models, "loss_scales", lambda config, keys: {**scales(config, keys), "extra": 1.0})
+            monkeypatch.setitem(models.LOSS_TERMS, "extra", (1.0, "model"))
             monkeypatch.setitem(models.WorldModel.HEAD_LOSSES, "reward", reward_with_term)
             monkeypatch.setattr(models.ActorCritic, "loss", ac_with_term)
         agent, env = make_agent(*flags)
         batch = batch_for(agent, env)
         torch.manual_seed(2)
-        metrics = agent.update.train_step(batch)
+        metrics, _ = agent.update.train_step(batch)
         results[name] = (metrics, agent.wm.heads["reward"].out.bias.detach().clone(),
                          agent.task_behavior.critic.out.bias.detach().clone())
     metrics = results["patched"][0]
@@ -166,19 +172,37 @@ def test_slow_critic_and_prefix_are_applied_once_per_update_in_both_modes():
         agent.update.train_step(batch)
         assert int(agent.task_behavior.updates) == before + 1, flags
     agent, env = make_agent("--expl_behavior", "plan2explore")
-    metrics = agent.update.train_step(batch_for(agent, env))
+    metrics, _ = agent.update.train_step(batch_for(agent, env))
     assert "expl_actor_loss" in metrics and "actor_loss" in metrics
     assert int(agent.expl_behavior.behavior.updates) == 1 and int(agent.task_behavior.updates) == 1
 
 
-def test_the_update_reads_in_the_official_three_parts():
-    """models.Update.train_step holds the whole update, in danijar/dreamerv3's order (Agent.loss)."""
-    import inspect
+@pytest.mark.parametrize("update", ["sequential", "joint"])
+def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
+    """models.Update.train_step computes the loss in danijar/dreamerv3's order (Agent.loss): the
+    world model, the imagination, the replay value loss, then the check of every term against the
+    table, then the optimizers' steps; recorded from one update of each mode."""
+    calls = []
 
-    source = inspect.getsource(models.Update.train_step)
-    marks = [source.index(f"# {part}") for part in ("World model", "Imagination", "Replay")]
-    assert marks == sorted(marks)
-    assert "check_terms(losses" in source[marks[-1]:]
+    def recorded(owner, name, label):
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            calls.append(label)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, call)
+
+    recorded(models.WorldModel, "loss", "world model")
+    recorded(models.ActorCritic, "loss", "imagination")
+    recorded(models.ActorCritic, "replay_loss", "replay")
+    recorded(models, "check_terms", "check")
+    recorded(models, "optimize", "step")
+    agent, env = make_agent("--update", update, "--imag_gradient", "reinforce", "--critic.repval", "0.3")
+    agent.update.train_step(batch_for(agent, env))
+    if update == "sequential":  # the world model steps first, alone (the paper's order)
+        assert calls == ["world model", "step", "imagination", "replay", "check", "step"]
+    else:
+        assert calls == ["world model", "imagination", "replay", "check", "step"]
 
 
 def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
@@ -217,16 +241,16 @@ def test_a_term_of_the_wrong_shape_or_without_a_scale_fails_the_update(update, m
 
     def per_step(self, start, start_cont):  # the actor term left (N, 1): not one value per start state
         terms, returns, metrics = ac_loss(self, start, start_cont)
-        return {**terms, "actor": terms["actor"][:, None]}, returns, metrics
+        return {**terms, "policy": terms["policy"][:, None]}, returns, metrics
 
     monkeypatch.setattr(models.ActorCritic, "loss", per_step)
-    with pytest.raises((AssertionError, RuntimeError), match="actor|shape"):
+    with pytest.raises((AssertionError, RuntimeError), match="policy|shape"):
         agent.update.train_step(batch)
     monkeypatch.undo()
 
     def extra(self, start, start_cont):
         terms, returns, metrics = ac_loss(self, start, start_cont)
-        return {**terms, "entropy": terms["actor"]}, returns, metrics
+        return {**terms, "entropy": terms["policy"]}, returns, metrics
 
     monkeypatch.setattr(models.ActorCritic, "loss", extra)
     with pytest.raises(KeyError, match=r"loss terms \['entropy'\] have no scale"):
@@ -406,27 +430,9 @@ def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
         behavior.loss(start, torch.ones(4))
 
 
-def ratio_divisions(path):
-    """The functions of a module that divide a train ratio (a name ending in `ratio`)."""
-    found = set()
-    for func in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(func, ast.FunctionDef):
-            continue
-        for node in ast.walk(func):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-                names = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.left)
-                         if isinstance(n, (ast.Name, ast.Attribute))]
-                if any(name.endswith("ratio") for name in names):
-                    found.add(func.name)
-    return found
-
-
-def test_the_train_ratio_arithmetic_is_written_once():
-    """Updates owed = steps x train_ratio / replayed steps per update, in tools.updates_owed alone:
-    the loops' schedules, the rate limiter, the run's total and the resource sizing call it."""
-    found = {f"{path.stem}.{name}" for path in sorted(ROOT.glob("*.py")) for name in ratio_divisions(path)}
-    # RunLog.log divides the other way: the train ratio measured since the last log, for perf/train_ratio.
-    assert found == {"tools.updates_owed", "dreamer.log"}, found
+def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total():
+    """Updates owed = steps x train_ratio / replayed steps per update: the loop's schedule and the
+    run's total (the summary's and the resource sizing's) give the same counts."""
     config = dreamer.parse(["--configs", "debug", "--train_ratio", "3", "--batch_size", "2", "--batch_length", "5",
                             "--steps", "100", "--prefill", "10", "--pretrain", "4", "--action_repeat", "2"])
     assert tools.replayed_per_update(config) == 10
@@ -452,20 +458,79 @@ ALLOWED = {
 PROJECT = set(ALLOWED) | {"envs"}
 
 
-def imports_of(path):
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
-    return names & PROJECT
+def import_graph():
+    """{module: the project modules it imports}, recorded by importing every project module afresh
+    (module-level imports; the modules already loaded are put back afterwards, so that the other
+    tests keep patching the objects the code uses)."""
+    import builtins
+    import importlib
+    import sys
+
+    names = sorted(set(ALLOWED) | {f"envs.{p.stem}" for p in (ROOT / "envs").glob("*.py") if p.stem != "__init__"})
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] in PROJECT}
+    edges, real_import = collections.defaultdict(set), builtins.__import__
+
+    def recording(name, globals=None, locals=None, fromlist=(), level=0):
+        importer = (globals or {}).get("__name__", "")
+        if level == 0 and importer.split(".")[0] in PROJECT and name.split(".")[0] in PROJECT:
+            edges[importer].add(name.split(".")[0])
+            edges[importer].update(f"{name}.{item}" for item in fromlist or () if f"{name}.{item}" in names)
+        return real_import(name, globals, locals, fromlist, level)
+
+    for name in saved:
+        del sys.modules[name]
+    builtins.__import__ = recording
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        builtins.__import__ = real_import
+        for name in [n for n in sys.modules if n.split(".")[0] in PROJECT]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+    return {name: {target for target in edges[name] if target != name} for name in names}
+
+
+def check_import_graph(graph):
+    """Every import ALLOWED, envs/ importing only envs, and no circle (every module can be ordered
+    after all it imports)."""
+    for name, allowed in ALLOWED.items():
+        found = {target.split(".")[0] for target in graph[name]} - {name}
+        assert found <= allowed, f"{name}.py imports {sorted(found - allowed)}"
+    for name in graph:
+        if name.startswith("envs."):
+            assert {t.split(".")[0] for t in graph[name]} <= {"envs"}, f"{name} imports {sorted(graph[name])}"
+    order, left = set(), {name: {t.split(".")[0] for t in targets} - {name} for name, targets in graph.items()
+                          if "." not in name}
+    while left:
+        ready = [name for name, targets in left.items() if targets <= order | {"envs"}]
+        assert ready, f"an import circle among {sorted(left)}"
+        order.update(ready)
+        for name in ready:
+            del left[name]
 
 
 def test_imports_go_one_way_and_nothing_imports_dreamer():
-    for name, allowed in ALLOWED.items():
-        found = imports_of(ROOT / f"{name}.py") - {name}
-        assert found <= allowed, f"{name}.py imports {sorted(found - allowed)}"
-    for path in sorted((ROOT / "envs").glob("*.py")):
-        assert imports_of(path) <= {"envs"}, f"envs/{path.name} imports {sorted(imports_of(path) - {'envs'})}"
+    check_import_graph(import_graph())
+
+
+def test_the_import_check_sees_a_forbidden_import_and_a_circle(tmp_path, monkeypatch):
+    """The recorder is not blind: stand-in modules where tools imports dreamer and dreamer imports
+    tools are recorded so, and refused."""
+    import sys
+
+    for name in ALLOWED:
+        (tmp_path / f"{name}.py").write_text({"tools": "import dreamer\n", "dreamer": "import tools\n"}.get(name, ""))
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph()
+    assert graph["tools"] == {"dreamer"} and graph["dreamer"] == {"tools"}
+    with pytest.raises(AssertionError, match=r"tools.py imports \['dreamer'\]"):
+        check_import_graph(graph)
+    # A circle that a table allowing it would let pass is still refused.
+    monkeypatch.setattr(sys.modules[__name__], "ALLOWED", {"storage": {"logs"}, "logs": {"storage"}})
+    with pytest.raises(AssertionError, match=r"an import circle among \['logs', 'storage'\]"):
+        check_import_graph({"storage": {"logs"}, "logs": {"storage"}})
+    assert sys.modules["tools"] is tools  # the real modules are back

@@ -84,7 +84,7 @@ def make_batch(size, seed):
 
 def update(agent, batch):
     """One train_step; (metrics as floats, parameters and buffers, averaged gradients)."""
-    metrics = agent.update.train_step(batch)
+    metrics, _ = agent.update.train_step(batch)
     state = {k: v.detach().clone() for k, v in agent.state_dict().items()}
     grads = {k: p.grad.clone() for k, p in agent.named_parameters() if p.grad is not None}
     return {k: float(v) for k, v in metrics.items()}, state, grads

@@ -160,8 +160,7 @@ def test_targets_have_the_right_size(target, discrete):
     assert expected.shape[-1] == size
     assert p2e.target(post, embed).shape == (4, config.batch_length, size)
     torch.testing.assert_close(p2e.target(post, embed), expected)
-    start = {k: v.flatten(0, 1) for k, v in post.items()}
-    metrics = p2e.train_step(start, data["cont"].flatten(), post, embed, data)
+    metrics = p2e.train_step(post, embed, data)
     assert metrics["expl_ensemble_loss"] > 0
     for key in ("expl_ensemble_loss", "expl_intr_reward_mean", "expl_intr_reward_std", "expl_intr_reward_max",
                 "expl_actor_loss", "expl_critic_loss"):
@@ -199,7 +198,7 @@ def test_ensemble_loss_pairs_align_and_skip_episode_boundaries(offset, action_co
 
 def test_random_covers_continuous_action_space():
     agent, config = make_agent("--expl_behavior", "random", act_space=BOX)
-    assert not list(agent.expl_behavior.parameters()) and agent.expl_behavior.train_step(*[None] * 5) == {}
+    assert not list(agent.expl_behavior.parameters()) and agent.expl_behavior.train_step(*[None] * 3) == {}
     obs = {k: v[:, 0] for k, v in fake_batch(config, batch=20000, length=1).items() if k != "action"}
     actions, _ = agent.policy(obs, None, "explore")
     assert actions.shape == (20000, 2)

@@ -147,11 +147,11 @@ def test_non_finite_actor_weights_stop_with_one_line_naming_the_learner(run_copy
     train_step = models.Update.train_step
 
     def poisoned(self, *args):
-        metrics = train_step(self, *args)
+        result = train_step(self, *args)
         with torch.no_grad():
             for p in self.behavior.actor.parameters():
                 p.fill_(float("nan"))
-        return metrics
+        return result
 
     monkeypatch.setattr(models.Update, "train_step", poisoned)
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")

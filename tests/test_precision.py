@@ -96,7 +96,7 @@ def test_bf16_update_computes_in_bfloat16_and_keeps_float32_state(monkeypatch, r
 
     monkeypatch.setattr(torch, "log_softmax", recording_log_softmax)
     before = {k: v.clone() for k, v in agent.state_dict().items()}
-    metrics = agent.update.train_step(batch)
+    metrics, _ = agent.update.train_step(batch)
     for handle in handles:
         handle.remove()
     assert torch.bfloat16 in linear_out  # autocast is on inside the update

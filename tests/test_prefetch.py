@@ -36,13 +36,13 @@ def context():
 
 
 def fake_update(batch, i):
-    """What an update leaves in the batch for the write-back: posteriors that depend on the batch's
+    """What an update returns for the write-back: posteriors that depend on the batch's
     stored latents (as the real ones do, through the start latent) and on the update's index."""
     start = batch["latent_deter"][:, K - 1].sum(-1)  # (B,)
     deter = start[:, None, None] + batch["x"][:, K:, :1] + i + 1  # (B, T, 1) -> (B, T, 4)
     post = {"deter": torch.as_tensor(np.repeat(deter, 4, -1)),
             "stoch": torch.as_tensor(np.repeat(deter[..., None], 2, -1).repeat(2, -2)[..., :2, :])}
-    context().store(batch, post)
+    return context().latents(post)
 
 
 def plain_run(replay, updates):
@@ -50,8 +50,7 @@ def plain_run(replay, updates):
     for i in range(updates):
         batch, ids = replay.sample(B, K + T, ids=True)
         out.append(({k: v.copy() for k, v in batch.items()}, ids.copy()))
-        fake_update(batch, i)
-        ctx.write_back(replay, ids, batch)
+        ctx.write_back(replay, ids, fake_update(batch, i))
     return out
 
 
@@ -61,8 +60,7 @@ def prefetched_run(feed, updates):
         batch, ids, data = feed.next(more=i + 1 < updates)
         assert data is None  # on a CPU the learner converts the host arrays itself
         out.append(({k: v.copy() for k, v in batch.items()}, ids.copy()))
-        fake_update(batch, i)
-        ctx.write_back(feed, ids, batch)
+        ctx.write_back(feed, ids, fake_update(batch, i))
     return out
 
 
@@ -109,12 +107,12 @@ def test_write_back_reaches_the_ids_of_its_own_batch():
     feed = storage.Prefetcher(replay, B, K + T, "cpu", ahead=True)
     ctx = context()
     first, first_ids, _ = feed.next(more=True)  # the second batch is sampled meanwhile
-    fake_update(first, 0)
-    ctx.write_back(feed, first_ids, first)
+    latents = fake_update(first, 0)
+    ctx.write_back(feed, first_ids, latents)
     second, second_ids, _ = feed.next()
     for row, (stream, start) in enumerate(first_ids):
         got = replay.streams[stream].data["latent_deter"][start + K:start + K + T]  # no step dropped yet
-        np.testing.assert_array_equal(got, first["latent_deter"][row, K:])
+        np.testing.assert_array_equal(got, latents["latent_deter"][row].numpy())
     assert not np.array_equal(second_ids, first_ids)
 
 

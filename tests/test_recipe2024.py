@@ -410,7 +410,7 @@ def test_continue_loss_trains_on_the_contdisc_target(contdisc):
     target = (1 - batch["is_terminal"]) * (0.99 if contdisc else 1.0)
     p = np_sigmoid(to_np(logits))
     want = -(target * np.log(p) + (1 - target) * np.log(1 - p)).mean()
-    assert metrics["cont_loss"].item() == pytest.approx(want, rel=1e-4)
+    assert metrics["con_loss"].item() == pytest.approx(want, rel=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,7 +481,7 @@ def test_small_sizes_have_the_official_count_and_train_one_update(size):
     # The latents replay_context 1 stores with each step (zeros: the initial state).
     batch.update({k: np.zeros((2, 3, *shape), dtype) for k, (shape, dtype) in agent.context.spec.items()})
     before = [p.detach().clone() for p in agent.wm.parameters()]
-    metrics = agent.update.train_step(batch)
+    metrics, _ = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
     # Warm-up: the first update has learning rate 0, so nothing moves yet.
     assert all(torch.equal(a, b) for a, b in zip(before, agent.wm.parameters()))
@@ -631,7 +631,7 @@ def test_critic_repval_adds_the_weighted_replay_value_loss_to_the_critic():
     for repval in (0.0, 0.3):
         agent, batch = vector_setup("--critic.repval", str(repval))
         torch.manual_seed(1)
-        losses[repval] = agent.update.train_step(batch)
+        losses[repval], _ = agent.update.train_step(batch)
     assert "critic_repval_loss" not in losses[0.0]
     repval = losses[0.3]["critic_repval_loss"].item()
     assert repval > 0
@@ -680,7 +680,7 @@ def test_joint_update_is_one_laprop_step_on_the_sum_of_all_losses():
     terms, returns, _ = behavior.loss(start, data["cont"].reshape(-1))
     # the replay value loss on the posterior features with their graph: it trains the world model too
     repval = behavior.replay_loss(reference.wm.rssm.get_feat(post), data, returns[0].detach().reshape(2, 4))
-    actor_loss, critic_loss = terms["actor"].mean(), terms["critic"].mean() + 0.3 * repval.mean()
+    actor_loss, critic_loss = terms["policy"].mean(), terms["value"].mean() + 0.3 * repval.mean()
     modules = (reference.wm, behavior.actor, behavior.critic)
     params = [p for m in modules for p in m.parameters()]
     grads = torch.autograd.grad(model_loss + actor_loss + critic_loss, params, allow_unused=True)

@@ -72,9 +72,9 @@ def test_non_finite_loss_ends_the_run_with_one_line_and_keeps_the_checkpoint(run
     train_step = models.Update.train_step
 
     def poisoned(self, batch):
-        metrics = train_step(self, batch)
+        metrics, latents = train_step(self, batch)
         metrics["model_loss"] = metrics["model_loss"] * float("nan")
-        return metrics
+        return metrics, latents
 
     monkeypatch.setattr(models.Update, "train_step", poisoned)
     code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")

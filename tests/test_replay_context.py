@@ -123,8 +123,10 @@ def test_training_starts_from_the_stored_latent_and_returns_its_posteriors(updat
     stored = copy.deepcopy(batch)
     reference = copy.deepcopy(agent)
     torch.manual_seed(3)
-    agent.update.train_step(batch)
-    # Written out: the posterior of steps 1 .. 4, filtered from the latent stored with step 0 and
+    _, latents = agent.update.train_step(batch)
+    for key in stored:  # the batch it was given is left as it was
+        np.testing.assert_array_equal(batch[key], stored[key], err_msg=key)
+    # To write back: the posterior of steps 1 .. 4, filtered from the latent stored with step 0 and
     # the action stored with each step (the one that led to it), at the parameters before the update.
     torch.manual_seed(3)
     rssm = reference.wm.rssm
@@ -134,14 +136,14 @@ def test_training_starts_from_the_stored_latent_and_returns_its_posteriors(updat
              "stoch": torch.as_tensor(stored["latent_stoch"][:, 0])}
     for t in range(4):
         state, _ = rssm.obs_step(state, data["action"][:, t], embed[:, t], data["is_first"][:, t])
-        np.testing.assert_allclose(batch["latent_deter"][:, 1 + t], state["deter"].detach().numpy(), rtol=1e-5,
+        np.testing.assert_allclose(latents["latent_deter"][:, t], state["deter"].detach().numpy(), rtol=1e-5,
                                    atol=1e-6, err_msg=str(t))
-        np.testing.assert_array_equal(batch["latent_stoch"][:, 1 + t], state["stoch"].detach().numpy())
-    for key in ("latent_deter", "latent_stoch"):  # the context step keeps its stored latent
-        np.testing.assert_array_equal(batch[key][:, 0], stored[key][:, 0])
+        np.testing.assert_array_equal(latents["latent_stoch"][:, t], state["stoch"].detach().numpy())
+    for key in ("latent_deter", "latent_stoch"):  # the trained steps only, not the context step
+        assert latents[key].shape == (2, 4, *stored[key].shape[2:]), key
     # The stored latent matters: from the initial state the first posterior differs.
     fresh = rssm.obs_step(rssm.initial(2), data["action"][:, 0], embed[:, 0], data["is_first"][:, 0])[0]
-    assert not np.allclose(fresh["deter"].detach().numpy(), batch["latent_deter"][:, 1], atol=1e-3)
+    assert not np.allclose(fresh["deter"].detach().numpy(), latents["latent_deter"][:, 0], atol=1e-3)
 
 
 def test_an_episode_start_inside_the_sequence_resets_the_stored_latent():
@@ -153,10 +155,10 @@ def test_an_episode_start_inside_the_sequence_resets_the_stored_latent():
     other["latent_stoch"][:, 0] = other["latent_stoch"][:, 0, :, ::-1]
     a, b = copy.deepcopy(agent), copy.deepcopy(agent)
     torch.manual_seed(4)
-    a.update.train_step(batch)
+    _, latents_a = a.update.train_step(batch)
     torch.manual_seed(4)
-    b.update.train_step(other)
-    np.testing.assert_array_equal(batch["latent_deter"][:, 1:], other["latent_deter"][:, 1:])
+    _, latents_b = b.update.train_step(other)
+    np.testing.assert_array_equal(latents_a["latent_deter"], latents_b["latent_deter"])
 
 
 def test_plan2explore_trains_on_the_sequence_after_the_context():
@@ -175,15 +177,15 @@ def test_plan2explore_trains_on_the_sequence_after_the_context():
         return loss(post, embed, action, is_first)
 
     agent.expl_behavior.ensemble_loss = recorded
-    metrics = agent.update.train_step(batch)
+    metrics, latents = agent.update.train_step(batch)
     assert all(torch.isfinite(v).all() for v in metrics.values())
     k, length = config.replay_context, batch["action"].shape[1]
     assert seen["post"]["deter"].shape[:2] == seen["embed"].shape[:2] == (2, length - k)
     np.testing.assert_array_equal(seen["action"].numpy(), stored["action"][:, k:])
     np.testing.assert_array_equal(seen["is_first"].numpy(), stored["is_first"][:, k:])
-    # batch's latents of steps 1 .. T are now the training posteriors (ReplayContext.store).
-    np.testing.assert_array_equal(seen["post"]["deter"].numpy(), batch["latent_deter"][:, k:])
-    np.testing.assert_array_equal(seen["post"]["stoch"].numpy(), batch["latent_stoch"][:, k:])
+    # The latents to write back for steps 1 .. T are the training posteriors (ReplayContext.latents).
+    np.testing.assert_array_equal(seen["post"]["deter"].numpy(), latents["latent_deter"].numpy())
+    np.testing.assert_array_equal(seen["post"]["stoch"].numpy(), latents["latent_stoch"].numpy())
     assert not np.allclose(seen["post"]["deter"][:, 0].numpy(), stored["latent_deter"][:, 0])
 
 
@@ -194,8 +196,7 @@ def test_write_back_puts_the_trained_steps_latents_at_their_steps():
     batch, ids = replay.sample(5, 4, ids=True)  # K + T = 1 + 3
     posterior = {"deter": torch.as_tensor(1000.0 + batch["n"][:, 1:, None].repeat(3, -1)),  # (B, T, 3)
                  "stoch": torch.zeros(5, 3, 2, 2)}
-    context.store(batch, posterior)
-    context.write_back(replay, ids, batch)
+    context.write_back(replay, ids, context.latents(posterior))
     # Written out: step 100 s + n got 1000 + 100 s + n iff it was a trained (not context) step of a row.
     trained = {100 * s + first + t for s, first in ids for t in (1, 2, 3)}
     for s in range(2):
@@ -209,15 +210,14 @@ def test_replay_context_zero_changes_nothing():
     assert context.spec == {} and context.entries(None, 3) == {}
     data = {"x": torch.zeros(2, 4)}
     assert context.split(data) == (None, data)
-    batch = {"x": np.zeros((2, 4))}
-    context.store(batch, {"deter": torch.ones(2, 4, 3), "stoch": torch.ones(2, 4, 2, 2)})
-    assert list(batch) == ["x"]
+    latents = context.latents({"deter": torch.ones(2, 4, 3), "stoch": torch.ones(2, 4, 2, 2)})
+    assert latents is None
 
     class NoUpdates:
         def update(self, ids, values):
             raise AssertionError("replay_context 0 writes nothing back")
 
-    context.write_back(NoUpdates(), np.zeros((2, 2), np.int64), batch)
+    context.write_back(NoUpdates(), np.zeros((2, 2), np.int64), latents)
     v1 = make_config(configs=("debug",))
     assert v1.replay_context == 0 and models.ReplayContext(v1).spec == {}
 
@@ -286,9 +286,9 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
         return update(self, ids, values)
 
     def recording_train_step(self, batch, *args):
-        metrics = train_step(self, batch, *args)
-        batches.append({k: np.array(batch[k]) for k in ("latent_deter", "latent_stoch")})
-        return metrics
+        metrics, latents = train_step(self, batch, *args)
+        batches.append({k: v.numpy() for k, v in latents.items()})
+        return metrics, latents
 
     monkeypatch.setattr(storage.Replay, "sample", recording_sample)
     monkeypatch.setattr(storage.Replay, "update", recording_update)
@@ -302,7 +302,7 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
         assert length == 7  # batch_length 6 + 1 context step
         np.testing.assert_array_equal(ids, sampled + [0, 1])
         for key in ("latent_deter", "latent_stoch"):
-            np.testing.assert_array_equal(values[key], batch[key][:, 1:])
+            np.testing.assert_array_equal(values[key], batch[key])
     assert any(np.abs(batch["latent_deter"][:, 0]).sum() > 0 for batch in batches)  # stored latents were used
     episodes = sorted((logdir / "train_eps").glob("*.npz"))
     assert episodes and all("latent_deter" in np.load(f) for f in episodes)

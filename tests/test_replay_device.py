@@ -71,7 +71,7 @@ def test_the_write_back_reaches_a_replay_on_the_device():
         np.testing.assert_array_equal(as_numpy(device.sample(8, 8))["latent_deter"], host.sample(8, 8)["latent_deter"])
 
 
-def test_the_replay_context_stores_and_writes_back_tensors_on_the_device():
+def test_the_replay_context_writes_back_tensors_on_the_device():
     config = dreamer.parse(["--configs", "debug", "recipe2024", "--dyn_deter", "5", "--dyn_blocks", "1",
                             "--dyn_discrete", "0", "--dyn_stoch", "3"])
     context = models.ReplayContext(config)
@@ -81,10 +81,10 @@ def test_the_replay_context_stores_and_writes_back_tensors_on_the_device():
     feed = storage.Prefetcher(replay, 2, 6, DEVICE)
     batch, ids, data = feed.next()
     assert data is batch  # gathered on the device: nothing to copy
-    post = {"deter": torch.ones(2, 5, 5), "stoch": torch.full((2, 5, 3), 2.0)}
-    context.store(batch, post)
-    assert isinstance(batch["latent_deter"], torch.Tensor) and batch["latent_deter"].shape == (2, 6, 5)
-    context.write_back(feed, ids, batch)
+    post = {"deter": torch.ones(2, 5, 5, device=DEVICE), "stoch": torch.full((2, 5, 3), 2.0, device=DEVICE)}
+    latents = context.latents(post)  # they stay on the device, as the replay's steps do
+    assert latents["latent_deter"].device.type == torch.device(DEVICE).type
+    context.write_back(feed, ids, latents)
     stored = replay.streams[0].data
     for row, (_, first) in enumerate(ids):  # the trained steps (after the one context step) hold the posterior
         steps = torch.arange(first + 1, first + 6)

@@ -125,10 +125,10 @@ def test_the_project_side_computes_the_terms_the_update_steps_on():
     scales = agent.wm.scales
     losses = {k: v.detach() for k, v in losses.items()}
     mine = {"model": float(models.scaled_sum(losses, scales, agent.wm.terms)),
-            "actor": float(models.scaled_sum(losses, scales, ("actor",))),
-            "critic": float(models.scaled_sum(losses, scales, ("critic", "repval")))}
+            "actor": float(models.scaled_sum(losses, scales, ("policy",))),
+            "critic": float(models.scaled_sum(losses, scales, ("value", "repval")))}
     torch.manual_seed(5)
-    metrics = agent.update.train_step(batch)
+    metrics, _ = agent.update.train_step(batch)
     for name, value in mine.items():
         assert float(metrics[f"{name}_loss"]) == value, name
 

@@ -50,7 +50,7 @@ def test_debug_run_writes_tensorboard_scalars_and_videos(run):
     logdir, _ = run
     tags = events(logdir).Tags()
     for name in ("train/return", "train/length", "eval/return", "world_model/model_loss", "world_model/kl_loss",
-                 "world_model/image_loss", "world_model/reward_loss", "world_model/cont_loss",
+                 "world_model/image_loss", "world_model/rew_loss", "world_model/con_loss",
                  "world_model/model_grad_norm", "actor/actor_loss", "actor/actor_entropy", "actor/actor_grad_norm",
                  "critic/critic_loss", "critic/critic_grad_norm", "perf/fps", "perf/updates", "env/0/steps",
                  "env/0/episodes", "env/0/last_return", "env/0/fps"):

@@ -107,7 +107,7 @@ def test_the_actor_and_critic_losses_reach_only_their_own_weights(spaces, gradie
     start = {k: v + 0.1 * torch.randn(v.shape, generator=gen(2)) for k, v in start.items()}
     with models.frozen(agent.wm):
         terms, _, _ = behavior.loss(start, torch.ones(8))
-    actor_loss, critic_loss = terms["actor"].mean(), terms["critic"].mean()
+    actor_loss, critic_loss = terms["policy"].mean(), terms["value"].mean()
     actor, critic = list(behavior.actor.parameters()), list(behavior.critic.parameters())
     into_critic = torch.autograd.grad(actor_loss, critic, retain_graph=True, allow_unused=True)
     into_actor = torch.autograd.grad(critic_loss, actor, retain_graph=True, allow_unused=True)
@@ -154,7 +154,7 @@ def run_updates(agent, batches):
     metrics = []
     for batch in batches:
         torch.manual_seed(len(metrics))  # both agents draw the same latents and actions
-        values = agent.update.train_step(copy.deepcopy(batch))
+        values, _ = agent.update.train_step(copy.deepcopy(batch))
         metrics.append({k: float(v) for k, v in values.items()})
     grads = {name: p.grad.clone() for name, p in agent.named_parameters() if p.grad is not None}
     params = {name: p.detach().clone() for name, p in agent.named_parameters()}
