@@ -197,10 +197,22 @@ def chance_outside(n_project, n_official, draws=200_000):
     return float(np.mean((mean < official.min(1)) | (mean > official.max(1))))
 
 
+def equal_spread(project_last, official_last):
+    """Levene's test (Brown-Forsythe: deviations from the median) that the two codes' seeds spread
+    alike: (W, p), or None with fewer than two seeds on a side. scipy comes with dm_control."""
+    if len(project_last) < 2 or len(official_last) < 2:
+        return None
+    from scipy import stats
+
+    result = stats.levene(project_last, official_last, center="median")
+    return float(result.statistic), float(result.pvalue)
+
+
 def spread(stats):
-    """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t, how
-    often equal codes would fall outside the range at these seed counts (`chance_outside`), and each
-    seed's best first-quarter episode (the bar its last quarter must pass to count as learning)."""
+    """One line under a task's verdict: each code's last-quarter mean and sd over seeds, Welch's t,
+    Levene's test of equal spread, how often equal codes would fall outside the range at these seed
+    counts (`chance_outside`), and each seed's best first-quarter episode (the bar its last quarter
+    must pass to count as learning)."""
     parts = []
     for code, values in stats.items():
         last = values["last"]
@@ -208,22 +220,40 @@ def spread(stats):
             sd = f"sd {np.std(last, ddof=1):.1f}, " if len(last) > 1 else ""
             parts.append(f"{code} {np.mean(last):.1f} ({sd}{len(last)} seed{'s' * (len(last) > 1)})")
     t = welch_t(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []))
+    levene = equal_spread(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []))
     bars = "; ".join(f"{code} " + ", ".join("-" if v is None else f"{v:.1f}" for v in values["first"])
                      for code, values in stats.items() if values["first"])
     n_project, n_official = (len(stats.get(code, {}).get("last", [])) for code in CODES)
     chance = (f"; equal codes fall outside the official range by chance {chance_outside(n_project, n_official):.0%}"
               " of the time at these seed counts" if n_project and n_official > 1 else "")
     return ("Last quarter: " + (", ".join(parts) or "none finished")
-            + (f"; Welch t {t:.2f}" if t is not None else "") + chance
+            + (f"; Welch t {t:.2f}" if t is not None else "")
+            + (f"; Levene W {levene[0]:.2f}, p {levene[1]:.2f} (equal spread)" if levene is not None else "") + chance
             + (f". Best first-quarter episode per seed: {bars}." if bars else "."))
 
 
-def report(out, tasks, seeds, codes, total, bin_frames):
-    """learning.md and learning.png under OUT; returns the markdown."""
+def load_published(path):
+    """{task: {"last": [...], "first": [...], "round": n}} from `--official-stats` (None: none)."""
+    if path is None:
+        return {}
+    try:
+        tasks = json.loads(pathlib.Path(path).read_text())["tasks"]
+        return {task: {"last": [float(v) for v in row["last"]], "first": [float(v) for v in row["first_best"]],
+                       "round": row["round"]} for task, row in tasks.items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunnerError(f"--official-stats {path}: not a table of published official seeds ({e})") from None
+
+
+def report(out, tasks, seeds, codes, total, bin_frames, published=None):
+    """learning.md and learning.png under OUT; returns the markdown. `published` (load_published):
+    the official seeds of a task without official runs under OUT, as published earlier."""
     reference = plot.load_reference()
     lines, runs = [], []
+    published = published or {}
     for task in tasks:
         stats = {code: {"first": [], "last": [], "seeds": []} for code in codes}
+        if task in published and "official" not in codes:
+            stats["official"] = {"first": published[task]["first"], "last": published[task]["last"], "seeds": []}
         curves = {}
         for code in codes:
             for seed in seeds:
@@ -253,6 +283,11 @@ def report(out, tasks, seeds, codes, total, bin_frames):
                              if len(hit) else "")
             last = ", ".join(f"{v:.0f}" for v in stats[code]["last"]) or "unfinished"
             lines.append(f"| {code} | {len(seeds_curves)} | " + " | ".join(cells) + f" | {last} |")
+        if task in published and "official" not in codes:
+            row = published[task]
+            cells = " | " * (len(frames) - 1)  # no curve was kept, only each seed's last quarter
+            lines.append(f"| official (round {row['round']}, published) | {len(row['last'])} | {cells} | "
+                         + ", ".join(f"{v:.0f}" for v in row["last"]) + " |")
         curve = plot.find_reference(reference, "dmc_proprio" if task.startswith("dmc") else None, task)
         if curve is not None:
             cells = [f"{curve['mean'][np.flatnonzero(curve['frames'] == f)[0]]:.0f}"
@@ -289,6 +324,8 @@ def parse_args(argv):
     parser.add_argument("--bin", type=float, default=2500, help="frames per window of the report's table")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
     parser.add_argument("--report", action="store_true", help="only write the report")
+    parser.add_argument("--official-stats", type=pathlib.Path, help="with --codes project: the official seeds "
+                        "as published (e.g. benchmarks/official_rounds.json) for tasks without official runs")
     args = parser.parse_args(own)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.codes = [c for c in args.codes.split(",") if c]
@@ -311,6 +348,7 @@ def parse_args(argv):
             raise RunnerError(f"{key} after --: the runner sets it for each run")
     args.flags = flags
     args.total = steps_of(flags)
+    args.published = load_published(args.official_stats)
     return args
 
 
@@ -351,7 +389,7 @@ def main(argv=None):
         return 2
     if not args.report:
         run_all(jobs, args)
-    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin))
+    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.published))
     return 0
 
 

@@ -255,9 +255,48 @@ def test_welch_t_and_the_spread_line_against_a_plain_computation():
              "official": {"last": official, "first": [11.8, None, 13.6]}}
     assert learning.spread(stats) == (
         "Last quarter: project 31.3 (sd 9.0, 3 seeds), official 50.0 (sd 21.6, 3 seeds); Welch t 1.38; "
-        "equal codes fall outside the official range by chance 37% of the time at these seed counts. "
+        "Levene W 0.75, p 0.44 (equal spread); equal codes fall outside the official range by chance 37% of the "
+        "time at these seed counts. "
         "Best first-quarter episode per seed: project 10.3, 12.7, 12.2; official 11.8, -, 13.6.")
     assert learning.spread({"project": {"last": [], "first": []}}) == "Last quarter: none finished."
+
+
+def test_levenes_test_of_equal_spread_against_a_plain_computation():
+    """Brown-Forsythe's W (absolute deviations from each group's median) and its p-value: for two
+    groups of three, F(1, 4), whose tail is 1 - 1.5 s + 0.5 s^3 with s = sqrt(W / (4 + W))."""
+    project, official = [32.0, 40.0, 22.0], [44.0, 32.0, 74.0]
+    groups = [sorted(project), sorted(official)]
+    z = [[abs(x - g[1]) for x in g] for g in groups]  # the median of three is the middle one
+    means = [sum(zi) / 3 for zi in z]
+    grand = sum(means) / 2
+    w = (6 - 2) / (2 - 1) * sum(3 * (m - grand) ** 2 for m in means) / sum(
+        (x - m) ** 2 for zi, m in zip(z, means) for x in zi)
+    s = math.sqrt(w / (4 + w))
+    got = learning.equal_spread(project, official)
+    assert got == pytest.approx((w, 1 - 1.5 * s + 0.5 * s ** 3), rel=1e-9)
+    assert w == pytest.approx(0.75)
+    assert learning.equal_spread([1.0], official) is None
+
+
+def test_published_official_seeds_stand_in_for_official_runs(tmp_path):
+    """--official-stats: a task whose official runs are not under --out takes their published
+    per-seed figures (benchmarks/official_rounds.json) for the verdict and the statistics."""
+    published = learning.load_published(ROOT / "benchmarks" / "official_rounds.json")
+    assert published["dmc_walker_walk"] == {"last": [78.0, 91.0, 119.0], "first": [73.3, 59.9, 83.9], "round": 5}
+    for seed, level in enumerate((100.0, 90.0, 110.0)):
+        logdir = learning.run_dir(tmp_path, "dmc_walker_walk", "project", seed)
+        logdir.mkdir(parents=True)
+        rows = [{"step": step, "train/return": level if step > 15000 else 40.0} for step in range(1000, 20001, 1000)]
+        (logdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (logdir / "runner.json").write_text(json.dumps({"status": "finished", "exit": 0}))
+    text = learning.report(tmp_path, ["dmc_walker_walk"], [0, 1, 2], ["project"], 20000, 5000, published)
+    assert "| official (round 5, published) | 3 |" in text and "78, 91, 119 |" in text
+    assert "Verdict: **matches**" in text  # mean 100 within 78-119, and the official seeds learned
+    assert "official 96.0 (sd 21.0, 3 seeds)" in text and "Levene W" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(learning.RunnerError, match="--official-stats .*bad.json"):
+        learning.load_published(bad)
 
 
 def test_the_chance_that_equal_codes_fall_outside_the_range_against_exact_values_and_a_plain_simulation():
