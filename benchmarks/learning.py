@@ -21,7 +21,8 @@ The report (also written after the runs): `OUT/learning.md`, one table per task 
 benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2, so
 it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
 Welch's t of the two, and how often the rule would say below or above for two equal codes at those seed
-counts, which the rule below does not use but a reader of three seeds needs), and
+counts, which the rule below does not use but a reader of three seeds needs, and Levene's test, median-centred,
+that the two codes' seeds spread alike), and
 `OUT/learning.png` (plot.py's figure: mean and min-max band per code). The verdict per task, by this
 rule: take each seed's mean training return over the last quarter of the frames; the task MATCHES when
 this project's mean over seeds lies within the range (min to max) of the official seeds; it is BELOW or
@@ -30,8 +31,11 @@ lies above the best single episode of the first quarter (what luck reaches befor
 the first quarter's mean is not enough: at a budget where neither code learns, noise passes it, and
 agreement then says nothing).
 
-`--dry-run` prints every command and starts nothing; `--device cuda` after `--` runs both codes on a
-GPU (the official one needs its CUDA wheels in `--official-python`). Bad input: one line, exit 2.
+`--official-stats benchmarks/official_rounds.json` (with `--codes project`): a task whose official runs are not
+under OUT takes the official seeds' last-quarter means and first-quarter bests as published in an earlier round
+(the table's row then has no curve). `--dry-run` prints every command and starts nothing; `--device cuda`
+after `--` runs both codes on a GPU (the official one needs its CUDA wheels in `--official-python`). Bad
+input: one line, exit 2.
 """
 
 import argparse
