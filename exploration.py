@@ -9,6 +9,7 @@ that is evaluated.
 import torch
 from torch import nn
 
+import distributions
 import models
 import networks
 import tools
@@ -26,7 +27,7 @@ class Random(nn.Module):
     def actor(self, feat):  # (..., F) -> distribution over (..., A); only feat's shape is used
         shape = (*feat.shape[:-1], self.size)
         if self.discrete:
-            return tools.OneHot(torch.zeros(shape, device=feat.device))
+            return distributions.OneHot(torch.zeros(shape, device=feat.device))
         low = torch.full(shape, -1.0, device=feat.device)
         return torch.distributions.Independent(torch.distributions.Uniform(low, -low), 1)
 

@@ -19,6 +19,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import tools  # noqa: E402
@@ -49,8 +50,8 @@ def torchrun(*args, processes=2, timeout=240):
 
 def deterministic_sampling():
     """Samples are modes, so that the two halves of a batch see the noise the whole one does."""
-    tools.OneHot.sample = tools.OneHot.mode
-    tools.Normal.sample = tools.Normal.mode
+    distributions.OneHot.sample = distributions.OneHot.mode
+    distributions.Normal.sample = distributions.Normal.mode
 
 
 # The paper's sequential update with Plan2Explore, and the 2024 recipe's joint update (one LaProp
@@ -121,8 +122,8 @@ def ranks_updated(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(UPDATES))
 def test_one_update_on_two_ranks_equals_one_process_on_their_batches_together(ranks_updated, monkeypatch, name):
-    monkeypatch.setattr(tools.OneHot, "sample", tools.OneHot.mode)
-    monkeypatch.setattr(tools.Normal, "sample", tools.Normal.mode)
+    monkeypatch.setattr(distributions.OneHot, "sample", distributions.OneHot.mode)
+    monkeypatch.setattr(distributions.Normal, "sample", distributions.Normal.mode)
     torch.set_num_threads(1)
     agent = make_agent(name)
     metrics, state, grads = update(agent, make_batch(2 * BATCH, 0))
