@@ -72,7 +72,7 @@ def main(argv=None):
     except (NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except tools.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
+    except storage.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
         found = tools.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
@@ -295,7 +295,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         for line in models.ignored_keys(config):  # keys the update mode reads nowhere
             print(f"warning: {line}", flush=True)
         if ranks.is_main:
-            tools.save_config(config, logdir / "config.yaml")
+            storage.save_config(config, logdir / "config.yaml")
             resources.save()
         trainer.train()
     finally:
@@ -610,7 +610,7 @@ class Trainer:
             return
         try:
             self.save()
-        except (NonFiniteError, tools.WriteError) as e:
+        except (NonFiniteError, storage.WriteError) as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
 
     def log(self):
@@ -725,8 +725,8 @@ class Trainer:
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
             self.save_on_interrupt()
             raise
-        except tools.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
-            raise tools.WriteError(e.path, e, self.checkpoints.kept()) from None
+        except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
+            raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
             self.loop.close()  # after any other error too: no thread outlives the run
             self.run_log.close()
@@ -1280,7 +1280,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
             task_returns = [logs.episode_stats(e)["return"] for e in group]
             result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
                                      "std": float(np.std(task_returns))}
-    tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
+    storage.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
     if "image" in episodes[0]:
         logs.write_mp4(out / "episode.mp4", episodes[0]["image"])
     print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "

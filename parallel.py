@@ -1066,9 +1066,9 @@ class Resources:
 
     def save(self):
         if self.record is not None:
-            import tools
+            import storage
 
-            tools.atomic_write_bytes(self.path, json.dumps(self.record, indent=2).encode())
+            storage.atomic_write_bytes(self.path, json.dumps(self.record, indent=2).encode())
 
 
 # Keys this module reads that may differ between a run and its resumption without a warning

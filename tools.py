@@ -1,8 +1,7 @@
 """Leaf utilities that the rest of the project builds on, in four sections (in this order; the
-heads' distributions are in distributions.py):
+heads' distributions are in distributions.py, the atomic file writes in storage.py):
 
-2. Files: atomic writes (through a temporary file, synced, renamed) and write errors; the fault
-   points a test can stop a write at; whether a nest of tensors is finite.
+1. Tensors: whether a nest of tensors is finite.
 3. Schedules: the counters that decide when to train, log and evaluate, the checkpoint clock, and
    the asynchronous loop's samples-per-insert rate limiter.
 4. Processes: one training process, or one of several started by torchrun (data parallel), and
@@ -19,8 +18,6 @@ import copy
 import ctypes
 import datetime
 import difflib
-import errno
-import io
 import math
 import os
 import pathlib
@@ -29,119 +26,13 @@ import re
 import signal
 import threading
 import time
-import uuid
 
 import numpy as np
 import torch
 
 # ==================================================================================================
-# 2. Files
+# 1. Tensors
 # ==================================================================================================
-
-
-class WriteError(OSError):
-    """A file that cannot be written: a full disk (ENOSPC), a read-only folder (EROFS, EACCES), ...
-    Its message names the file and the error in one line; nothing half-written is left behind."""
-
-    def __init__(self, path, error, note=None):
-        super().__init__(error.errno, error.strerror or str(error))
-        self.path, self.note = pathlib.Path(path), note
-
-    def __str__(self):
-        note = f"; {self.note}" if self.note else ""
-        return f"cannot write {self.path}: {self.strerror} (errno {self.errno}){note}"
-
-    @property
-    def hint(self):
-        """What to do about it."""
-        full = self.errno in (errno.ENOSPC, errno.EDQUOT)
-        return f"{'free space' if full else 'make it writable'} and rerun to resume"
-
-
-def fault_point(name, path):
-    """Called at each step of a checkpoint or episode write (`name`: "half written", "written",
-    "previous kept", "replaced"), with the file being written: tests set `fault_hook` to kill the
-    process there (tests/test_faults.py), as a kill -9 at that instant would."""
-    if fault_hook is not None:
-        fault_hook(name, pathlib.Path(path))
-
-
-fault_hook = None
-
-
-def temp_path(path):
-    """The temporary file a write of `path` goes through: `.<name>.<8 hex digits>.tmp` beside it,
-    a name `temp_files` finds again after a kill."""
-    path = pathlib.Path(path)
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-
-
-TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{8}\.tmp$")
-
-
-def temp_files(folder, name=None):
-    """The temporary files of `temp_path` in `folder` (those of files named `name`, or of any),
-    with the file each was to become: [(temp, target)], oldest first."""
-    found = []
-    for temp in pathlib.Path(folder).glob(".*.tmp"):
-        match = TEMP_PATTERN.match(temp.name)
-        target = match and match["name"]
-        while target and TEMP_PATTERN.match(target):  # a temp of a temp: how saves before issue 32 wrote
-            target = TEMP_PATTERN.match(target)["name"]
-        if target and (name is None or target == name) and temp.is_file():
-            found.append((temp, temp.with_name(target)))
-    return sorted(found, key=lambda item: item[0].stat().st_mtime)
-
-
-def write_synced(path, data):
-    """Write `data` to `path` and flush it to the disk (fault points "half written", "written")."""
-    with pathlib.Path(path).open("wb") as f:
-        half = len(data) // 2
-        f.write(data[:half])
-        f.flush()
-        fault_point("half written", path)
-        f.write(data[half:])
-        f.flush()
-        os.fsync(f.fileno())
-    fault_point("written", path)
-
-
-def sync_folder(folder):
-    """Make the renames in `folder` durable (a power cut after a rename otherwise may undo it)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a folder; the rename itself is done
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path, data):
-    """Write `data` to `path` through a temporary file (`temp_path`) and a rename, so readers never
-    see half; a kill -9 may leave the temporary file, which the next start clears (episode files:
-    storage.recover_episodes; the logdir's: `resume_checkpoint`).
-
-    On failure the temporary file is removed (a full disk gets its space back) and WriteError
-    names `path`; `path` itself is untouched.
-    """
-    path = pathlib.Path(path)
-    tmp = temp_path(path)
-    try:
-        write_synced(tmp, data)
-        os.replace(tmp, path)
-        fault_point("replaced", path)
-    except BaseException as e:  # Ctrl-C in a single process too: no temporary file stays behind
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # a read-only folder, where it was never written
-            pass
-        if isinstance(e, OSError):
-            raise WriteError(path, e) from None
-        raise
 
 
 def tensors(tree):
@@ -1008,11 +899,3 @@ def _split_comment(line):
         elif char == "#" and quote is None and (i == 0 or line[i - 1] == " "):
             return line[:i].strip(), "#", line[i + 1:]
     return line.strip(), "", ""
-
-
-def save_config(config, path):
-    from ruamel.yaml import YAML
-
-    buffer = io.StringIO()
-    YAML(typ="safe", pure=True).dump(config.to_dict(), buffer)
-    atomic_write_bytes(path, buffer.getvalue().encode())

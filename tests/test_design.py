@@ -359,7 +359,7 @@ def test_every_key_free_on_resume_is_declared_by_one_module(tmp_path, capsys):
     assert len(keys) == len(set(keys)) and set(keys) == set(dreamer.FREE_ON_RESUME)
     assert set(keys) <= set(tools.flatten(tools.load_presets()["defaults"])), set(keys)
     config = dreamer.parse(["--configs", "debug", "--logdir", str(tmp_path)])
-    tools.save_config(config, tmp_path / "config.yaml")
+    storage.save_config(config, tmp_path / "config.yaml")
     changed = config.replace({"env_timeout": 60.0, "compile": "update", "logger": ["jsonl"], "save_every": 5.0,
                               "units": 7})
     assert tools.compare_saved_config(changed, tmp_path / "config.yaml", dreamer.FREE_ON_RESUME) == ["units: 32 -> 7"]
@@ -446,7 +446,7 @@ ALLOWED = {
     "networks": {"distributions", "tools"},
     "distributions": set(),
     "storage": {"tools"},
-    "logs": {"tools", "envs"},
+    "logs": {"storage", "tools", "envs"},
     "tools": set(),
     "parallel": {"storage", "logs", "tools", "envs"},
 }

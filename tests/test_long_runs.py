@@ -249,16 +249,16 @@ def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behi
     path = tmp_path / "latest.pt"
     storage.save_checkpoint(path, {"step": 1})
     monkeypatch.setattr(os, "fsync", failing_fsync(lambda name: True))
-    with pytest.raises(tools.WriteError) as error:
+    with pytest.raises(storage.WriteError) as error:
         storage.save_checkpoint(path, {"step": 2})
     assert str(error.value) == f"cannot write {path}: No space left on device (errno 28)"
     assert error.value.hint == "free space and rerun to resume"
-    with pytest.raises(tools.WriteError, match=r"episodes/.*-5\.npz: No space left"):
+    with pytest.raises(storage.WriteError, match=r"episodes/.*-5\.npz: No space left"):
         storage.save_episode(tmp_path / "episodes", episode(0, 5))
     monkeypatch.undo()
     assert storage.load_checkpoint(path)["step"] == 1 and not storage.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
-    readonly = tools.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
+    readonly = storage.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     assert readonly.hint == "make it writable and rerun to resume"
 
 
