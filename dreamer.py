@@ -35,6 +35,7 @@ from torch import nn
 
 import envs
 import exploration
+import launch
 import logs
 import models
 import networks
@@ -60,7 +61,7 @@ def main(argv=None):
             config, logdir, device_note, changed = setup(argv)
         except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
             fail(str(e))
-        ranks = tools.processes(config.device)
+        ranks = launch.processes(config.device)
         try:
             return run_processes(config, logdir, device_note, changed, ranks)
         finally:
@@ -73,20 +74,20 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except storage.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
         sys.exit(1)
     except parallel.WorkerError as e:  # env_failure stop: a worker died, stalled or its environment raised
         if e.traceback:  # the environment's own error, a bug to read: its traceback, not this process's
             print(f"Traceback in the worker process:\n{e.traceback.rstrip()}", file=sys.stderr)
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{str(e).splitlines()[0]}; the last checkpoint is kept, rerun the same command to "
               "resume", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         if found is None:
             raise
         # torchrun ends the other processes once this one exits; this line says which one failed.
@@ -119,7 +120,7 @@ def setup(argv):
     checkpoint = logdir / "latest.pt"
     if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
-    config, device_note = tools.resolve_device(config)
+    config, device_note = launch.resolve_device(config)
     return config, logdir, device_note, warnings_
 
 
@@ -140,7 +141,7 @@ def check_text(config):
 
 def check_processes(config):
     """Modes not yet supported under torchrun: one line before any process group starts."""
-    if tools.torchrun_rank() is None:
+    if launch.torchrun_rank() is None:
         return
     for key in ("eval_only", "offline_traindir", "asynchronous"):
         if getattr(config, key, None):
@@ -240,9 +241,9 @@ def run_processes(config, logdir, device_note, changed, ranks):
     except storage.LogdirBusy as e:
         fail(str(e))
     ranks.barrier()  # the others start only once the main process has the logdir
-    tools.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
+    launch.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
-    tools.keep_freed_memory()
+    launch.keep_freed_memory()
     train_envs, eval_envs = [], []
     resources = parallel.Resources(config, logdir, Dreamer)
     try:
@@ -407,7 +408,7 @@ class Dreamer(nn.Module):
         return latent, action
 
     def distribute(self, ranks):
-        """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
+        """Train as one of the processes `ranks` (launch.SingleProcess or launch.Distributed): every
         optimizer averages its gradients over them, every return normalisation takes its
         percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
         and all weights and buffers (the slow critic, the return EMAs) start from the main
@@ -523,7 +524,7 @@ class Trainer:
 
     Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`), logs (`RunLog`) and
     evaluation (`Evaluation`) are components of their own, built from the parts they read.
-    Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
+    Under torchrun (`ranks` a launch.Distributed) every process runs this loop in lockstep with its
     own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
     schedules are the same on all of them, so that each makes the same updates. The main process
     alone logs, evaluates and writes the checkpoint, which holds every rank's random state.
@@ -531,7 +532,7 @@ class Trainer:
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
-        self.ranks = ranks or tools.SingleProcess()
+        self.ranks = ranks or launch.SingleProcess()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
         self.counters = Counters()
@@ -559,8 +560,8 @@ class Trainer:
                                              config.action_repeat, agent.context, config.chunk_size)
                           if train_envs else None)
         # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
-        stops = tools.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
-        self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
+        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
+        self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(config, logdir, agent, self.counters, self.ranks, self.tasks, self.replay,
                               self.collector, self.checkpoints.kept)
@@ -1028,7 +1029,7 @@ class Checkpoints:
         the main process, None on the others, which write nothing."""
         counters, schedules, ranks = self.counters, self.schedules, self.ranks
         # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-        own = ranks.gather_object({"rng": tools.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
+        own = ranks.gather_object({"rng": launch.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
                                    "replay": self.replay.context_state(list(self.agent.context.spec))})
         if not ranks.is_main:
             self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
@@ -1067,7 +1068,7 @@ class Checkpoints:
         self.schedules["eval"].last = state["schedules"]["eval"]
         rank = self.ranks.rank
         own = state["ranks"][rank - 1] if rank else state
-        tools.set_rng_state(own["rng"], self.replay.rng)
+        launch.set_rng_state(own["rng"], self.replay.rng)
         return changes
 
     def restore_replay(self, state):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import distributions
+import launch
 import models
 import networks
 import tools
@@ -76,7 +77,7 @@ class Plan2Explore(nn.Module):
     """
 
     TARGETS = ("stoch", "deter", "embed", "feat")
-    ranks = tools.SingleProcess()  # see Dreamer.distribute and ensemble_loss
+    ranks = launch.SingleProcess()  # see Dreamer.distribute and ensemble_loss
     LOG_EPS = 1e-8  # floor inside log(variance): members that agree exactly give a finite reward
 
     def __init__(self, config, world_model, act_space):

@@ -882,7 +882,7 @@ def measure_costs(config, tasks, max_threads, make_agent):
     act_space, config) builds the agent (this module knows nothing of models)."""
     import torch
 
-    import tools
+    import launch
 
     costs = {"env_ms": {}, "worker_ms": {}, "cores": available_cores(), "max_threads": max_threads}
     extra, starts = [], []
@@ -893,7 +893,7 @@ def measure_costs(config, tasks, max_threads, make_agent):
         starts.append(measured["worker_start_s"])
     costs["extra_worker_ms"], costs["worker_start_s"] = float(np.mean(extra)), max(starts)
     costs["gpu"] = torch.device(config.device).type == "cuda"
-    with tools.kept_random_state():
+    with launch.kept_random_state():
         agent = make_agent(measured["obs_space"], measured["act_space"], config.replace(compile=False))
         costs.update(time_agent(agent.to(config.device), measured["obs_space"], measured["act_space"], config,
                                 max_threads, costs["gpu"]))

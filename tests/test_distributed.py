@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import distributions  # noqa: E402
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import models  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
@@ -95,7 +96,7 @@ def worker(out):
     """Run by torchrun: each rank updates on its half of the batch, then on batches of its own."""
     torch.set_num_threads(1)
     deterministic_sampling()
-    ranks = tools.processes("cpu")
+    ranks = launch.processes("cpu")
     for name in UPDATES:
         agent = make_agent(name)
         if ranks.rank:  # other initial weights on rank 1: the broadcast from rank 0 must replace them
@@ -250,11 +251,11 @@ def test_modes_not_supported_under_torchrun_are_one_line(flag, tmp_path, monkeyp
 
 
 def test_single_process_averages_nothing():
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
     grads = [torch.ones(3)]
     ranks.average_(grads)
     assert torch.equal(grads[0], torch.ones(3)) and ranks.is_main and ranks.world_size == 1
-    assert isinstance(models.Optimizer.ranks, tools.SingleProcess)
+    assert isinstance(models.Optimizer.ranks, launch.SingleProcess)
 
 
 if __name__ == "__main__" and sys.argv[1] == "updates":

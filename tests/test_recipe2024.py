@@ -14,6 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import distributions  # noqa: E402
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import networks  # noqa: E402
 import tools  # noqa: E402
 
@@ -781,9 +782,8 @@ def test_new_keys_are_range_checked_at_start_up():
 
 
 def test_distribute_reaches_the_joint_optimizer():
-    import tools
     agent, _ = vector_setup(*JOINT)
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
     agent.distribute(ranks)
     assert set(agent.optimizers()) == {"update"}  # the one optimizer, none per network
     assert agent.optimizers()["update"].ranks is ranks
