@@ -3,7 +3,7 @@
     python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --logdir ./logdir/walker
 
 It reads top to bottom in the order a run goes: `main` parses and checks the command line
-(`setup`), takes the logdir's lock, sizes the resources (parallel.Resources), builds the
+(`setup`), takes the logdir's lock, sizes the resources (resources.Resources), builds the
 environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
 agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `AsyncLoop`) collects
 and learns; then its `Checkpoints`, its `RunLog` and its `Evaluation`, each built from what it
@@ -11,8 +11,9 @@ reads, not from the Trainer; --eval_only, the start-up summary, and last the run
 tables. Rerunning the same command resumes.
 
 The config machinery lives in tools.py (Configuration), episode files and the replay in
-storage.py, logging and progress in logs.py, experience collection and resource sizing in
-parallel.py, the world model, actor-critic and the update (models.Update.train_step) in models.py.
+storage.py, logging and progress in logs.py, experience collection in parallel.py, resource sizing
+in resources.py, processes, devices and random state in launch.py, the world model, actor-critic
+and the update (models.Update.train_step) in models.py.
 """
 
 import collections
@@ -40,6 +41,7 @@ import logs
 import models
 import networks
 import parallel
+import resources
 import storage
 import tools
 
@@ -245,12 +247,12 @@ def run_processes(config, logdir, device_note, changed, ranks):
     torch.set_float32_matmul_precision("high")
     launch.keep_freed_memory()
     train_envs, eval_envs = [], []
-    resources = parallel.Resources(config, logdir, Dreamer)
+    sizing = resources.Resources(config, logdir, Dreamer)
     try:
-        config = resources.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
+        config = sizing.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
         if not config.offline_traindir and not config.eval_only:
             train_envs = parallel.make_envs(config, "train", config.envs, ranks.rank * config.envs,
-                                            resources.weights(), resources.processes())
+                                            sizing.weights(), sizing.processes())
         # The main process alone evaluates; with several tasks, on as many environments per task
         # as it trains on (at least one).
         per_task = max(config.envs // len(envs.parse_tasks(config.task)), 1)
@@ -286,8 +288,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                      resources.weights(), resolved, spec), flush=True)
-        for line in resources.lines:
+                      sizing.weights(), resolved, spec), flush=True)
+        for line in sizing.lines:
             print(line, flush=True)
         for line in trainer.notes:
             print(line, flush=True)
@@ -297,7 +299,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             print(f"warning: {line}", flush=True)
         if ranks.is_main:
             storage.save_config(config, logdir / "config.yaml")
-            resources.save()
+            sizing.save()
         trainer.train()
     finally:
         for env in train_envs + eval_envs:
@@ -1372,7 +1374,7 @@ def offline(flat):
 RUN_CHOICES = {"prefill_policy": tuple(PREFILLS)}
 CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.CHOICES, **parallel.CHOICES,
            **RUN_CHOICES}
-COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parallel.Resources)
+COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by resources.Resources)
 
 # Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
 # config), what is valid). A key absent from a config is not checked. Each module declares the

@@ -437,10 +437,13 @@ def test_the_train_ratio_arithmetic_is_written_once():
 # -- imports in one direction ----------------------------------------------------------------------
 
 # What each module may import of the project: dreamer.py -> exploration -> models -> networks ->
-# storage, logs -> tools; parallel.py and envs/ know nothing about models; logs.py reads the suites'
-# metrics of envs/; tools.py imports nothing of the project; nothing imports dreamer.
+# distributions; models -> storage, launch -> tools; logs.py writes through storage and reads the
+# suites' metrics of envs/; resources.py sizes a run on parallel.py's environments; parallel.py and
+# envs/ know nothing about models; distributions.py and tools.py import nothing of the project;
+# nothing imports dreamer.
 ALLOWED = {
-    "dreamer": {"exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel", "envs"},
+    "dreamer": {"exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel", "resources",
+                "envs"},
     "exploration": {"distributions", "models", "networks", "launch", "tools"},
     "models": {"networks", "storage", "launch", "tools"},
     "networks": {"distributions", "tools"},
@@ -449,7 +452,8 @@ ALLOWED = {
     "logs": {"storage", "tools", "envs"},
     "launch": {"tools"},
     "tools": set(),
-    "parallel": {"storage", "logs", "launch", "tools", "envs"},
+    "parallel": {"storage", "logs", "tools", "envs"},
+    "resources": {"parallel", "storage", "launch", "tools", "envs"},
 }
 PROJECT = set(ALLOWED) | {"envs"}
 
