@@ -109,7 +109,7 @@ def sync_folder(folder):
 def atomic_write_bytes(path, data):
     """Write `data` to `path` through a temporary file (`temp_path`) and a rename, so readers never
     see half; a kill -9 may leave the temporary file, which the next start clears (episode files:
-    storage.recover_episodes; the logdir's: `resume_checkpoint`).
+    `recover_episodes`; the logdir's: `resume_checkpoint`).
 
     On failure the temporary file is removed (a full disk gets its space back) and WriteError
     names `path`; `path` itself is untouched.

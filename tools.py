@@ -1,13 +1,15 @@
-"""Leaf utilities that the rest of the project builds on, in four sections (in this order; the
-heads' distributions are in distributions.py, the atomic file writes in storage.py):
+"""Leaf utilities that the rest of the project builds on, in three sections (in this order):
 
-1. Tensors: whether a nest of tensors is finite.
-3. Schedules: the counters that decide when to train, log and evaluate, the checkpoint clock, and
-   the asynchronous loop's samples-per-insert rate limiter.
-5. Configuration: the read-only Config, presets, command-line parsing and checks, the saved config.
+1. Tensors: whether a nest of tensors is finite (the checkpoint's and the training loop's check).
+2. Schedules: the counters that decide when to train, log and evaluate, the train-ratio arithmetic,
+   the checkpoint clock, the asynchronous loop's samples-per-insert rate limiter and a stopwatch.
+3. Configuration: the read-only Config, presets, command-line parsing and checks, the saved config
+   compared with the run's.
 
-Episode and checkpoint files and the replay are in storage.py, logging and progress in logs.py. Nothing here
-imports another module of the project or knows about the world model or the environments.
+The heads' distributions are in distributions.py; atomic file writes, episode and checkpoint files
+and the replay in storage.py; processes, devices and random state in launch.py; logging and progress
+in logs.py. Nothing here imports another module of the project or knows about the world model or the
+environments.
 """
 
 import argparse
@@ -47,7 +49,7 @@ def all_finite(tree):
 
 
 # ==================================================================================================
-# 3. Schedules
+# 2. Schedules
 # ==================================================================================================
 
 
@@ -243,7 +245,7 @@ def total_updates(config):
 
 
 # ==================================================================================================
-# 5. Configuration
+# 3. Configuration
 # ==================================================================================================
 
 
