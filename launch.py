@@ -25,6 +25,10 @@ import torch
 
 from tools import ConfigError
 
+# ==================================================================================================
+# Processes: one, or torchrun's ranks
+# ==================================================================================================
+
 
 class SingleProcess:
     """The one process of a run started without torchrun: every collective is the identity.
@@ -229,19 +233,9 @@ def processes(device, timeout=1800):
     return Distributed(*found, device, timeout)
 
 
-@contextlib.contextmanager
-def kept_random_state():
-    """The measurement draws random numbers; the run starts from the state it would have without it."""
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if states[3] is not None:
-            torch.cuda.set_rng_state_all(states[3])
+# ==================================================================================================
+# The device and the memory allocator
+# ==================================================================================================
 
 
 # The NVIDIA driver each CUDA major version of a torch build needs (NVIDIA's CUDA release notes:
@@ -296,15 +290,6 @@ def resolve_device(config):
     return config, None
 
 
-def seed_everything(seed, deterministic):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses otherwise
-        torch.use_deterministic_algorithms(True)
-
-
 def keep_freed_memory():
     """Have glibc keep freed memory for reuse instead of returning it to the OS.
 
@@ -319,6 +304,20 @@ def keep_freed_memory():
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+# ==================================================================================================
+# Random state
+# ==================================================================================================
+
+
+def seed_everything(seed, deterministic):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses otherwise
+        torch.use_deterministic_algorithms(True)
 
 
 def rng_state(replay_rng):
@@ -336,3 +335,19 @@ def set_rng_state(state, replay_rng):
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     replay_rng.bit_generator.state = state["replay"]
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """Random numbers drawn in the block leave no trace: every generator is as before it afterwards
+    (resources.measure_costs times a throwaway agent in one, so the run starts as it would without)."""
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
