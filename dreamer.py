@@ -3,7 +3,7 @@
     python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --logdir ./logdir/walker
 
 It reads top to bottom in the order a run goes: `main` parses and checks the command line
-(`setup`), takes the logdir's lock, sizes the resources (parallel.Resources), builds the
+(`setup`), takes the logdir's lock, sizes the resources (resources.Resources), builds the
 environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
 agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `AsyncLoop`) collects
 and learns; then its `Checkpoints`, its `RunLog` and its `Evaluation`, each built from what it
@@ -11,8 +11,9 @@ reads, not from the Trainer; --eval_only, the start-up summary, and last the run
 tables. Rerunning the same command resumes.
 
 The config machinery lives in tools.py (Configuration), episode files and the replay in
-storage.py, logging and progress in logs.py, experience collection and resource sizing in
-parallel.py, the world model, actor-critic and the update (models.Update.train_step) in models.py.
+storage.py, logging and progress in logs.py, experience collection in parallel.py, resource sizing
+in resources.py, processes, devices and random state in launch.py, the world model, actor-critic
+and the update (models.Update.train_step) in models.py.
 """
 
 import collections
@@ -35,10 +36,12 @@ from torch import nn
 
 import envs
 import exploration
+import launch
 import logs
 import models
 import networks
 import parallel
+import resources
 import storage
 import tools
 
@@ -60,7 +63,7 @@ def main(argv=None):
             config, logdir, device_note, changed = setup(argv)
         except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
             fail(str(e))
-        ranks = tools.processes(config.device)
+        ranks = launch.processes(config.device)
         try:
             return run_processes(config, logdir, device_note, changed, ranks)
         finally:
@@ -72,21 +75,21 @@ def main(argv=None):
     except (NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except tools.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
-        found = tools.torchrun_rank()
+    except storage.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
+        found = launch.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{e}; {e.hint}", file=sys.stderr, flush=True)
         sys.exit(1)
     except parallel.WorkerError as e:  # env_failure stop: a worker died, stalled or its environment raised
         if e.traceback:  # the environment's own error, a bug to read: its traceback, not this process's
             print(f"Traceback in the worker process:\n{e.traceback.rstrip()}", file=sys.stderr)
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         where = f"rank {found[0]} of {found[1]}: " if found else ""
         print(f"error: {where}{str(e).splitlines()[0]}; the last checkpoint is kept, rerun the same command to "
               "resume", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         if found is None:
             raise
         # torchrun ends the other processes once this one exits; this line says which one failed.
@@ -119,7 +122,7 @@ def setup(argv):
     checkpoint = logdir / "latest.pt"
     if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
-    config, device_note = tools.resolve_device(config)
+    config, device_note = launch.resolve_device(config)
     return config, logdir, device_note, warnings_
 
 
@@ -140,7 +143,7 @@ def check_text(config):
 
 def check_processes(config):
     """Modes not yet supported under torchrun: one line before any process group starts."""
-    if tools.torchrun_rank() is None:
+    if launch.torchrun_rank() is None:
         return
     for key in ("eval_only", "offline_traindir", "asynchronous"):
         if getattr(config, key, None):
@@ -240,16 +243,16 @@ def run_processes(config, logdir, device_note, changed, ranks):
     except storage.LogdirBusy as e:
         fail(str(e))
     ranks.barrier()  # the others start only once the main process has the logdir
-    tools.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
+    launch.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
-    tools.keep_freed_memory()
+    launch.keep_freed_memory()
     train_envs, eval_envs = [], []
-    resources = parallel.Resources(config, logdir, Dreamer)
+    sizing = resources.Resources(config, logdir, Dreamer)
     try:
-        config = resources.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
+        config = sizing.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
         if not config.offline_traindir and not config.eval_only:
             train_envs = parallel.make_envs(config, "train", config.envs, ranks.rank * config.envs,
-                                            resources.weights(), resources.processes())
+                                            sizing.weights(), sizing.processes())
         # The main process alone evaluates; with several tasks, on as many environments per task
         # as it trains on (at least one).
         per_task = max(config.envs // len(envs.parse_tasks(config.task)), 1)
@@ -285,8 +288,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
             return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
         print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                      resources.weights(), resolved, spec), flush=True)
-        for line in resources.lines:
+                      sizing.weights(), resolved, spec), flush=True)
+        for line in sizing.lines:
             print(line, flush=True)
         for line in trainer.notes:
             print(line, flush=True)
@@ -295,8 +298,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
         for line in models.ignored_keys(config):  # keys the update mode reads nowhere
             print(f"warning: {line}", flush=True)
         if ranks.is_main:
-            tools.save_config(config, logdir / "config.yaml")
-            resources.save()
+            storage.save_config(config, logdir / "config.yaml")
+            sizing.save()
         trainer.train()
     finally:
         for env in train_envs + eval_envs:
@@ -407,7 +410,7 @@ class Dreamer(nn.Module):
         return latent, action
 
     def distribute(self, ranks):
-        """Train as one of the processes `ranks` (tools.SingleProcess or tools.Distributed): every
+        """Train as one of the processes `ranks` (launch.SingleProcess or launch.Distributed): every
         optimizer averages its gradients over them, every return normalisation takes its
         percentiles over all of them, Plan2Explore counts its ensemble's pairs over all of them,
         and all weights and buffers (the slow critic, the return EMAs) start from the main
@@ -523,7 +526,7 @@ class Trainer:
 
     Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`), logs (`RunLog`) and
     evaluation (`Evaluation`) are components of their own, built from the parts they read.
-    Under torchrun (`ranks` a tools.Distributed) every process runs this loop in lockstep with its
+    Under torchrun (`ranks` a launch.Distributed) every process runs this loop in lockstep with its
     own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
     schedules are the same on all of them, so that each makes the same updates. The main process
     alone logs, evaluates and writes the checkpoint, which holds every rank's random state.
@@ -531,7 +534,7 @@ class Trainer:
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
-        self.ranks = ranks or tools.SingleProcess()
+        self.ranks = ranks or launch.SingleProcess()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
         self.counters = Counters()
@@ -559,8 +562,8 @@ class Trainer:
                                              config.action_repeat, agent.context, config.chunk_size)
                           if train_envs else None)
         # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
-        stops = tools.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
-        self.agreement = tools.Agreement(self.ranks, tools.Clock(config.save_every), stops)
+        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
+        self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
         self.run_log = RunLog(config, logdir, agent, self.counters, self.ranks, self.tasks, self.replay,
                               self.collector, self.checkpoints.kept)
@@ -610,7 +613,7 @@ class Trainer:
             return
         try:
             self.save()
-        except (NonFiniteError, tools.WriteError) as e:
+        except (NonFiniteError, storage.WriteError) as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
 
     def log(self):
@@ -725,8 +728,8 @@ class Trainer:
             self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
             self.save_on_interrupt()
             raise
-        except tools.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
-            raise tools.WriteError(e.path, e, self.checkpoints.kept()) from None
+        except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
+            raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
             self.loop.close()  # after any other error too: no thread outlives the run
             self.run_log.close()
@@ -1028,7 +1031,7 @@ class Checkpoints:
         the main process, None on the others, which write nothing."""
         counters, schedules, ranks = self.counters, self.schedules, self.ranks
         # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-        own = ranks.gather_object({"rng": tools.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
+        own = ranks.gather_object({"rng": launch.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
                                    "replay": self.replay.context_state(list(self.agent.context.spec))})
         if not ranks.is_main:
             self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
@@ -1067,7 +1070,7 @@ class Checkpoints:
         self.schedules["eval"].last = state["schedules"]["eval"]
         rank = self.ranks.rank
         own = state["ranks"][rank - 1] if rank else state
-        tools.set_rng_state(own["rng"], self.replay.rng)
+        launch.set_rng_state(own["rng"], self.replay.rng)
         return changes
 
     def restore_replay(self, state):
@@ -1280,7 +1283,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
             task_returns = [logs.episode_stats(e)["return"] for e in group]
             result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
                                      "std": float(np.std(task_returns))}
-    tools.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
+    storage.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
     if "image" in episodes[0]:
         logs.write_mp4(out / "episode.mp4", episodes[0]["image"])
     print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
@@ -1371,7 +1374,7 @@ def offline(flat):
 RUN_CHOICES = {"prefill_policy": tuple(PREFILLS)}
 CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.CHOICES, **parallel.CHOICES,
            **RUN_CHOICES}
-COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by parallel.Resources)
+COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by resources.Resources)
 
 # Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
 # config), what is valid). A key absent from a config is not checked. Each module declares the

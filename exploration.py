@@ -9,6 +9,8 @@ behaviour collects the data, and it is the one that is evaluated.
 import torch
 from torch import nn
 
+import distributions
+import launch
 import models
 import networks
 import tools
@@ -26,7 +28,7 @@ class Random(nn.Module):
     def actor(self, feat):  # (..., F) -> distribution over (..., A); only feat's shape is used
         shape = (*feat.shape[:-1], self.size)
         if self.discrete:
-            return tools.OneHot(torch.zeros(shape, device=feat.device))
+            return distributions.OneHot(torch.zeros(shape, device=feat.device))
         low = torch.full(shape, -1.0, device=feat.device)
         return torch.distributions.Independent(torch.distributions.Uniform(low, -low), 1)
 
@@ -75,7 +77,7 @@ class Plan2Explore(nn.Module):
     """
 
     TARGETS = ("stoch", "deter", "embed", "feat")
-    ranks = tools.SingleProcess()  # see Dreamer.distribute and ensemble_loss
+    ranks = launch.SingleProcess()  # see Dreamer.distribute and ensemble_loss
     LOG_EPS = 1e-8  # floor inside log(variance): members that agree exactly give a finite reward
 
     def __init__(self, config, world_model, act_space):

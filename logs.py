@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 import envs
-from tools import ConfigError, atomic_write_bytes
+from storage import atomic_write_bytes
+from tools import ConfigError
 
 # ==================================================================================================
 # Back ends: TensorBoard, metrics.jsonl, metrics.csv, W&B

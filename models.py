@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import launch
 import networks
 import storage
 import tools
@@ -282,7 +283,7 @@ class ReturnNorm(nn.Module):
     so that the EMAs stay identical on every rank and equal those of one process on the whole batch.
     """
 
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
 
     def __init__(self, decay=0.99, low=0.05, high=0.95, floor=1.0):
         super().__init__()
@@ -905,7 +906,7 @@ class Optimizer:
     scaler then see the averaged gradient.
     """
 
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
 
     SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
 
@@ -1167,7 +1168,7 @@ def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, wa
     fewer launches); on a CPU by the rule above, for the parameter counts `counts` (None: the model
     is not known, eager)."""
     if torch.device(config.device).type == "cuda":
-        found = tools.torchrun_rank()
+        found = launch.torchrun_rank()
         if found is not None and found[1] > 1:  # compile_update refuses to run under torchrun
             return True, "on CUDA under torchrun the steps are compiled, with fewer launches per update"
         return "update", "on CUDA the whole update runs as a few CUDA graphs, with the fewest launches"

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import distributions
 import tools
 
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
@@ -180,7 +181,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.symlog_inputs:
-            x = tools.symlog(x)
+            x = distributions.symlog(x)
         return self.net(x)
 
 
@@ -251,11 +252,11 @@ class Head(nn.Module):
 
     def dist(self, x):
         if self.kind in ("symlog_disc", "symexp_twohot"):
-            return tools.TwoHot(x, squash=self.kind == "symlog_disc")
+            return distributions.TwoHot(x, squash=self.kind == "symlog_disc")
         x = x.reshape(*x.shape[:-1], *self.shape)
         if self.kind == "binary":
-            return tools.Bernoulli(x)
-        cls = tools.SymlogMSE if self.kind == "symlog_mse" else tools.MSE
+            return distributions.Bernoulli(x)
+        cls = distributions.SymlogMSE if self.kind == "symlog_mse" else distributions.MSE
         return cls(x, dims=len(self.shape))
 
 
@@ -284,14 +285,14 @@ class Actor(nn.Module):
 
     def dist(self, x):
         if self.kind == "onehot":
-            return tools.OneHot(x, self.unimix)
+            return distributions.OneHot(x, self.unimix)
         assert self.kind == "normal", self.kind  # the only other kind (ACTOR_DISTS, checked at construction)
         if self.learned_std:
             mean, std = x.chunk(2, -1)
             std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
         else:
             mean, std = x, torch.full_like(x, float(self.std))
-        return tools.Normal(torch.tanh(mean), std, absmax=self.absmax)
+        return distributions.Normal(torch.tanh(mean), std, absmax=self.absmax)
 
     def forward(self, feat):
         return self.dist(self.raw(feat))
@@ -532,7 +533,7 @@ class MultiDecoder(nn.Module):
             image = self.cnn(feat)
             splits = [s[-1] for s in self.cnn_shapes.values()]
             for key, part in zip(self.cnn_shapes, image.split(splits, -1)):
-                dists[key] = tools.MSE(part, dims=3)
+                dists[key] = distributions.MSE(part, dims=3)
         if self.mlp_shapes:
             out = self.mlp_out(self.mlp(feat))
             for (key, shape), part in zip(self.mlp_shapes.items(), out.split(self.sizes, -1)):
@@ -657,7 +658,7 @@ class RSSM(nn.Module):
         x = x.float()  # distribution parameters in float32 also under autocast, as in the official code
         if self.discrete:
             logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
-            return {"logit": tools.unimix_logits(logit, self.unimix)}
+            return {"logit": distributions.unimix_logits(logit, self.unimix)}
         mean, std = x.chunk(2, -1)
         if self.mean_act == "tanh5":  # else "none" (checked at construction)
             mean = 5.0 * torch.tanh(mean / 5.0)
@@ -666,8 +667,8 @@ class RSSM(nn.Module):
 
     def dist(self, stats):
         if self.discrete:
-            return tools.OneHot(stats["logit"])
-        return tools.Normal(stats["mean"], stats["std"])
+            return distributions.OneHot(stats["logit"])
+        return distributions.Normal(stats["mean"], stats["std"])
 
     def initial(self, batch):
         """The state before the first observation: learned (tanh of a parameter) or zeros."""
@@ -762,8 +763,8 @@ class RSSM(nn.Module):
 
     def kl(self, lhs, rhs):
         if self.discrete:
-            return tools.kl_categorical(lhs["logit"], rhs["logit"])
-        return tools.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])
+            return distributions.kl_categorical(lhs["logit"], rhs["logit"])
+        return distributions.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])
 
 
 # How the RSSM bounds the mean (dyn_mean_act) and the standard deviation (dyn_std_act) of Gaussian latents.
@@ -771,7 +772,7 @@ MEAN_ACTS = ("none", "tanh5")
 STD_ACTS = {"softplus": nn.functional.softplus, "abs": lambda s: (s + 1.0).abs(),
             "sigmoid": torch.sigmoid, "sigmoid2": lambda s: 2 * torch.sigmoid(s / 2)}
 IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encoder.cnn
-VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vector_dist
+VECTOR_DISTS = {"symlog_mse": distributions.SymlogMSE, "mse": distributions.MSE}  # decoder.vector_dist
 ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
 # The choices this module owns, checked once when the config is parsed (tools.parse); the

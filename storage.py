@@ -10,12 +10,16 @@
    previous one kept, non-finite ones refused), recovered after a kill, loaded without running code
    from them (unsafe files refused), checked against the model; and the logdir's lock.
 
+Every file is written through the atomic writes at the top (a temporary file, synced, renamed), which
+logs.py and the benchmarks use too; a write that fails is a WriteError naming the file.
+
 Nothing here knows about the world model or the environments.
 """
 
 import collections
 import contextlib
 import datetime
+import errno
 import io
 import os
 import pathlib
@@ -30,18 +34,109 @@ import warnings
 import numpy as np
 import torch
 
-from tools import (
-    ConfigError,
-    WriteError,
-    all_finite,
-    atomic_write_bytes,
-    fault_point,
-    sync_folder,
-    temp_files,
-    temp_path,
-    total_updates,
-    write_synced,
-)
+from tools import ConfigError, all_finite, total_updates
+
+# ==================================================================================================
+# File writes: atomic (through a temporary file, synced, renamed), and the error a failed one raises
+# ==================================================================================================
+
+
+class WriteError(OSError):
+    """A file that cannot be written: a full disk (ENOSPC), a read-only folder (EROFS, EACCES), ...
+    Its message names the file and the error in one line; nothing half-written is left behind."""
+
+    def __init__(self, path, error, note=None):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.path, self.note = pathlib.Path(path), note
+
+    def __str__(self):
+        note = f"; {self.note}" if self.note else ""
+        return f"cannot write {self.path}: {self.strerror} (errno {self.errno}){note}"
+
+    @property
+    def hint(self):
+        """What to do about it."""
+        full = self.errno in (errno.ENOSPC, errno.EDQUOT)
+        return f"{'free space' if full else 'make it writable'} and rerun to resume"
+
+
+def temp_path(path):
+    """The temporary file a write of `path` goes through: `.<name>.<8 hex digits>.tmp` beside it,
+    a name `temp_files` finds again after a kill."""
+    path = pathlib.Path(path)
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{8}\.tmp$")
+
+
+def temp_files(folder, name=None):
+    """The temporary files of `temp_path` in `folder` (those of files named `name`, or of any),
+    with the file each was to become: [(temp, target)], oldest first."""
+    found = []
+    for temp in pathlib.Path(folder).glob(".*.tmp"):
+        match = TEMP_PATTERN.match(temp.name)
+        target = match and match["name"]
+        while target and TEMP_PATTERN.match(target):  # a temp of a temp: how saves before issue 32 wrote
+            target = TEMP_PATTERN.match(target)["name"]
+        if target and (name is None or target == name) and temp.is_file():
+            found.append((temp, temp.with_name(target)))
+    return sorted(found, key=lambda item: item[0].stat().st_mtime)
+
+
+def write_synced(path, data):
+    """Write `data` to `path` and flush it to the disk."""
+    with pathlib.Path(path).open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_folder(folder):
+    """Make the renames in `folder` durable (a power cut after a rename otherwise may undo it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename itself is done
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path, data):
+    """Write `data` to `path` through a temporary file (`temp_path`) and a rename, so readers never
+    see half; a kill -9 may leave the temporary file, which the next start clears (episode files:
+    `recover_episodes`; the logdir's: `resume_checkpoint`).
+
+    On failure the temporary file is removed (a full disk gets its space back) and WriteError
+    names `path`; `path` itself is untouched.
+    """
+    path = pathlib.Path(path)
+    tmp = temp_path(path)
+    try:
+        write_synced(tmp, data)
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C in a single process too: no temporary file stays behind
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only folder, where it was never written
+            pass
+        if isinstance(e, OSError):
+            raise WriteError(path, e) from None
+        raise
+
+
+def save_config(config, path):
+    """The run's config as the logdir's config.yaml (tools.compare_saved_config reads it back)."""
+    from ruamel.yaml import YAML
+
+    buffer = io.StringIO()
+    YAML(typ="safe", pure=True).dump(config.to_dict(), buffer)
+    atomic_write_bytes(path, buffer.getvalue().encode())
+
 
 # ==================================================================================================
 # Episode files: whole, and in chunks while an episode runs
@@ -857,10 +952,8 @@ def save_checkpoint(path, state):
     try:
         if path.exists():
             os.replace(path, previous_path(path))
-            fault_point("previous kept", path)
         os.replace(tmp, path)
         sync_folder(path.parent)
-        fault_point("replaced", path)
     except OSError as e:  # renames need no space; a folder turned read-only can refuse them
         raise WriteError(path, e) from None
     finally:

@@ -54,8 +54,8 @@ run() {  # run NAME CAP COMMAND...: at most CAP seconds, never past the deadline
 if [ -z "${GPU_CHECK_PRINT_ONLY:-}" ]; then
   rm -rf "$out"
   mkdir -p "$out"
-  # tools.cuda_problem: torch's own reason and the fix (the check dreamer.py --device cuda makes)
-  python3 -c "import sys, tools; p = tools.cuda_problem(tools.torch.device('cuda', 0)); \
+  # launch.cuda_problem: torch's own reason and the fix (the check dreamer.py --device cuda makes)
+  python3 -c "import sys, launch; p = launch.cuda_problem(launch.torch.device('cuda', 0)); \
 sys.exit(f'gpu_check.sh: no usable GPU: {p}' if p else 0)"
   python3 -c "import torch; p = torch.cuda.get_device_properties(0); print(f'GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}')"
   date -u +"date: %Y-%m-%d %H:%M UTC"

@@ -49,6 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dreamer  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 SIZES = tuple(f"size{n}m" for n in (1, 12, 25, 50, 100, 200, 400))
@@ -228,10 +229,10 @@ def convert(logdir, config, settings):
         if record["step"] in lengths:
             row["train/length"] = lengths[record["step"]]
         out.append(json.dumps(row))
-    tools.atomic_write_bytes(logdir / "metrics.jsonl", "".join(line + "\n" for line in out).encode())
+    storage.atomic_write_bytes(logdir / "metrics.jsonl", "".join(line + "\n" for line in out).encode())
     saved = {"code": "official", "task": config.task, "seed": config.seed, **settings}
-    tools.atomic_write_bytes(logdir / "config.yaml", "".join(f"{k}: {json.dumps(v)}\n" for k, v in saved.items())
-                             .encode())
+    storage.atomic_write_bytes(logdir / "config.yaml", "".join(f"{k}: {json.dumps(v)}\n" for k, v in saved.items())
+                               .encode())
     return len(out)
 
 

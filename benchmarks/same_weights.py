@@ -467,9 +467,9 @@ def project_and_report(args, rest, config, saved):
     text = report(official_terms, project_terms, rows, args.seeds, "python3 benchmarks/same_weights.py "
                   + " ".join(sys.argv[1:]), step)
     out = args.out or pathlib.Path(config.logdir).expanduser() / "same_weights.md"
-    import tools
+    import storage
 
-    tools.atomic_write_bytes(out, text.encode())
+    storage.atomic_write_bytes(out, text.encode())
     print(text)
     return 0
 

@@ -7,7 +7,7 @@ environment with random actions, then times `--updates` updates after `--warmup`
 
 Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup,
 --threads, --profile (phase split, top operators and operator calls per update) and
---no_malloc_tuning (leave glibc's allocator as it is, to measure what tools.keep_freed_memory
+--no_malloc_tuning (leave glibc's allocator as it is, to measure what launch.keep_freed_memory
 buys). The last line printed is `updates_per_s=<number>`.
 
 --compare times several settings side by side in one process, interleaved over --rounds rounds
@@ -36,6 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import dreamer  # noqa: E402
 import envs  # noqa: E402
+import launch  # noqa: E402
 import models  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
@@ -189,7 +190,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     args, rest = parser.parse_known_args(argv)
     try:
-        config, _ = tools.resolve_device(dreamer.parse(rest))
+        config, _ = launch.resolve_device(dreamer.parse(rest))
         for precision in args.precisions.split(",") if args.compare else ():
             dreamer.parse([*rest, "--precision", precision])
         for mode in args.compile_modes.split(",") if args.compare else ():
@@ -198,10 +199,10 @@ def main(argv=None):
         dreamer.fail(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
-    tools.seed_everything(config.seed, False)
+    launch.seed_everything(config.seed, False)
     torch.set_float32_matmul_precision("high")
     if not args.no_malloc_tuning:
-        tools.keep_freed_memory()
+        launch.keep_freed_memory()
     env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
     length = config.batch_length + config.replay_context  # the context steps only give the start latent
     if args.compare:

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
@@ -124,28 +125,29 @@ VALUES = [-1e6, -1000.0, -10.0, -1.0, -0.5, -1e-4, 0.0, 1e-4, 0.5, 1.0, 10.0, 10
 
 def test_symlog_symexp_values():
     x = np.array(VALUES)
-    np.testing.assert_allclose(to_np(tools.symlog(torch.tensor(x))), np_symlog(x), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(to_np(distributions.symlog(torch.tensor(x))), np_symlog(x), rtol=1e-12, atol=0)
     y = np.linspace(-15, 15, 61)
-    np.testing.assert_allclose(to_np(tools.symexp(torch.tensor(y))), np_symexp(y), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(to_np(distributions.symexp(torch.tensor(y))), np_symexp(y), rtol=1e-12, atol=0)
     # A few hand-checked values: symlog(e - 1) = 1, symlog(-(e^2 - 1)) = -2.
-    assert tools.symlog(torch.tensor(math.e - 1, dtype=torch.float64)).item() == pytest.approx(1.0, abs=1e-12)
-    assert tools.symlog(torch.tensor(-(math.e ** 2 - 1), dtype=torch.float64)).item() == pytest.approx(-2.0)
-    assert tools.symlog(torch.tensor(0.0)).item() == 0.0 and tools.symexp(torch.tensor(0.0)).item() == 0.0
+    assert distributions.symlog(torch.tensor(math.e - 1, dtype=torch.float64)).item() == pytest.approx(1.0, abs=1e-12)
+    assert distributions.symlog(torch.tensor(-(math.e ** 2 - 1), dtype=torch.float64)).item() == pytest.approx(-2.0)
+    assert distributions.symlog(torch.tensor(0.0)).item() == 0.0
+    assert distributions.symexp(torch.tensor(0.0)).item() == 0.0
 
 
 def test_symlog_symexp_are_inverse_and_odd():
     x = torch.tensor(VALUES, dtype=torch.float64)
-    np.testing.assert_allclose(to_np(tools.symexp(tools.symlog(x))), VALUES, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(to_np(distributions.symexp(distributions.symlog(x))), VALUES, rtol=1e-10, atol=1e-12)
     y = torch.linspace(-20, 20, 81, dtype=torch.float64)
-    np.testing.assert_allclose(to_np(tools.symlog(tools.symexp(y))), to_np(y), rtol=1e-10, atol=1e-12)
-    np.testing.assert_array_equal(to_np(tools.symlog(-x)), -to_np(tools.symlog(x)))
+    np.testing.assert_allclose(to_np(distributions.symlog(distributions.symexp(y))), to_np(y), rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(to_np(distributions.symlog(-x)), -to_np(distributions.symlog(x)))
 
 
 def test_symlog_gradient_away_from_zero():
     x = torch.tensor([-50.0, -2.0, -0.3, 0.3, 2.0, 50.0], dtype=torch.float64, requires_grad=True)
-    (grad,) = torch.autograd.grad(tools.symlog(x).sum(), x)
+    (grad,) = torch.autograd.grad(distributions.symlog(x).sum(), x)
     np.testing.assert_allclose(to_np(grad), 1.0 / (1.0 + np.abs(to_np(x))), rtol=1e-12)
-    (grad,) = torch.autograd.grad(tools.symexp(x).sum(), x)
+    (grad,) = torch.autograd.grad(distributions.symexp(x).sum(), x)
     np.testing.assert_allclose(to_np(grad), np.exp(np.abs(to_np(x))), rtol=1e-12)
 
 
@@ -155,14 +157,14 @@ def test_symlog_gradient_away_from_zero():
 
 
 def test_twohot_bins_are_255_in_symlog_space_from_minus_20_to_20():
-    dist = tools.TwoHot(torch.zeros(2, 255))
+    dist = distributions.TwoHot(torch.zeros(2, 255))
     np.testing.assert_allclose(to_np(dist.bins), np.linspace(-20, 20, 255), atol=1e-5)
 
 
 @pytest.mark.parametrize("x", [-25.0, -20.0, -19.99, -3.3, -1e-3, 0.0, 0.05, 7.123, 19.9, 20.0, 21.0, 1e4])
 def test_twohot_encode_matches_hand_built_target(x):
     bins = torch.linspace(-20, 20, 255)
-    got = to_np(tools.twohot_encode(torch.tensor([x]), bins))[0]
+    got = to_np(distributions.twohot_encode(torch.tensor([x]), bins))[0]
     want = np_twohot(np.float32(x).item(), to_np(bins))
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert got.sum() == pytest.approx(1.0, abs=1e-6)
@@ -174,7 +176,7 @@ def test_twohot_encode_matches_hand_built_target(x):
 def test_twohot_encode_exactly_on_a_bin_is_one_hot():
     bins = torch.linspace(-20, 20, 255)
     for k in (0, 1, 100, 253, 254):
-        got = to_np(tools.twohot_encode(bins[k:k + 1], bins))[0]
+        got = to_np(distributions.twohot_encode(bins[k:k + 1], bins))[0]
         want = np.zeros(255)
         want[k] = 1.0
         np.testing.assert_allclose(got, want, atol=1e-6)
@@ -183,7 +185,7 @@ def test_twohot_encode_exactly_on_a_bin_is_one_hot():
 def test_twohot_encode_batched_shapes():
     bins = torch.linspace(-20, 20, 255)
     x = torch.linspace(-30, 30, 24).reshape(2, 3, 4)
-    got = tools.twohot_encode(x, bins)
+    got = distributions.twohot_encode(x, bins)
     assert got.shape == (2, 3, 4, 255)
     for index in np.ndindex(2, 3, 4):
         np.testing.assert_allclose(to_np(got[index]), np_twohot(x[index].item(), to_np(bins)), atol=1e-5)
@@ -193,7 +195,7 @@ def test_twohot_log_prob_against_hand_built_target():
     gen = torch.Generator().manual_seed(0)
     values = torch.tensor([-1e9, -1000.0, -3.3, -0.2, 0.0, 0.7, 5.0, 123.0, 1e6, 1e9])
     logits = torch.randn(len(values), 255, generator=gen) * 3
-    got = to_np(tools.TwoHot(logits).log_prob(values))
+    got = to_np(distributions.TwoHot(logits).log_prob(values))
     bins = np.linspace(-20, 20, 255)
     log_probs = np_log_softmax(to_np(logits))
     want = [(np_twohot(np_symlog(v), bins) * log_probs[i]).sum() for i, v in enumerate(to_np(values))]
@@ -203,7 +205,7 @@ def test_twohot_log_prob_against_hand_built_target():
 def test_twohot_mean_is_symexp_of_expected_bin():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 3, 255, generator=gen) * 2
-    got = to_np(tools.TwoHot(logits).mean())
+    got = to_np(distributions.TwoHot(logits).mean())
     probs = np.exp(np_log_softmax(to_np(logits)))
     want = np_symexp((probs * np.linspace(-20, 20, 255)).sum(-1))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -215,7 +217,7 @@ def test_twohot_mean_of_a_two_hot_distribution_recovers_the_value(value):
     bins = np.linspace(-20, 20, 255)
     target = np_twohot(np_symlog(value), bins)
     logits = torch.tensor(np.log(target + 1e-30), dtype=torch.float64)
-    assert tools.TwoHot(logits).mean().item() == pytest.approx(value, rel=1e-4, abs=1e-4)
+    assert distributions.TwoHot(logits).mean().item() == pytest.approx(value, rel=1e-4, abs=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,17 +228,17 @@ def test_twohot_mean_of_a_two_hot_distribution_recovers_the_value(value):
 def test_unimix_logits_mix_one_percent_uniform():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 7, generator=gen) * 4
-    got = to_np(torch.softmax(tools.unimix_logits(logits, 0.01), -1))
+    got = to_np(torch.softmax(distributions.unimix_logits(logits, 0.01), -1))
     want = 0.99 * np.exp(np_log_softmax(to_np(logits))) + 0.01 / 7
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got.min() >= 0.01 / 7 * (1 - 1e-5)
-    np.testing.assert_array_equal(to_np(tools.unimix_logits(logits, 0.0)), to_np(logits))
+    np.testing.assert_array_equal(to_np(distributions.unimix_logits(logits, 0.0)), to_np(logits))
 
 
 def test_onehot_probs_log_prob_entropy():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 5, generator=gen) * 3
-    dist = tools.OneHot(logits, unimix=0.01)
+    dist = distributions.OneHot(logits, unimix=0.01)
     probs = 0.99 * np.exp(np_log_softmax(to_np(logits))) + 0.01 / 5
     np.testing.assert_allclose(to_np(dist.probs), probs, rtol=1e-5)
     onehot = np.eye(5)[[0, 4, 2, 2, 1, 3]]
@@ -252,7 +254,7 @@ def test_onehot_straight_through_gradient(method):
     raw = (torch.randn(8, 6, generator=gen) * 2).requires_grad_()
     weights = torch.randn(8, 6, generator=gen)
     torch.manual_seed(0)
-    out = getattr(tools.OneHot(raw, unimix=0.01), method)()
+    out = getattr(distributions.OneHot(raw, unimix=0.01), method)()
     value = to_np(out)
     # The forward value is a one-hot vector ...
     np.testing.assert_allclose(value.sum(-1), 1.0, atol=1e-6)
@@ -269,7 +271,7 @@ def test_onehot_straight_through_gradient(method):
 def test_onehot_samples_follow_the_mixed_probabilities():
     logits = torch.tensor([[2.0, 0.0, -1.0, -30.0]]).expand(20000, 4)
     torch.manual_seed(1)
-    samples = to_np(tools.OneHot(logits, unimix=0.01).sample())
+    samples = to_np(distributions.OneHot(logits, unimix=0.01).sample())
     p = 0.99 * np.exp(np_log_softmax([2.0, 0.0, -1.0, -30.0])) + 0.01 / 4
     np.testing.assert_allclose(samples.mean(0), p, atol=0.015)
     assert samples[:, 3].sum() > 0  # the uniform mixture reaches even a -30 logit
@@ -285,7 +287,7 @@ def test_normal_log_prob_entropy_and_reparameterised_sample():
     mean = torch.randn(4, 3, generator=gen).requires_grad_()
     std = torch.rand(4, 3, generator=gen) + 0.1
     x = torch.randn(4, 3, generator=gen)
-    dist = tools.Normal(mean, std)
+    dist = distributions.Normal(mean, std)
     m, s, v = to_np(mean), to_np(std), to_np(x)
     want = (-0.5 * ((v - m) / s) ** 2 - np.log(s) - 0.5 * np.log(2 * np.pi)).sum(-1)
     np.testing.assert_allclose(to_np(dist.log_prob(x)), want, rtol=1e-5)
@@ -298,7 +300,7 @@ def test_normal_log_prob_entropy_and_reparameterised_sample():
 def test_bernoulli_log_prob_mode_mean():
     logits = torch.tensor([[-3.0], [-0.1], [0.0], [0.2], [5.0]])
     value = torch.tensor([[0.0], [1.0], [1.0], [0.0], [1.0]])
-    dist = tools.Bernoulli(logits)
+    dist = distributions.Bernoulli(logits)
     p = 1 / (1 + np.exp(-to_np(logits)[:, 0]))
     v = to_np(value)[:, 0]
     np.testing.assert_allclose(to_np(dist.log_prob(value)), v * np.log(p) + (1 - v) * np.log(1 - p), rtol=1e-5)
@@ -313,20 +315,20 @@ def test_mse_and_symlog_mse_sum_over_event_dims(dims):
     value = torch.randn(2, 3, 4, 5, generator=gen) * 50
     p, v = to_np(pred), to_np(value)
     axes = tuple(range(-dims, 0))
-    mse = tools.MSE(pred, dims=dims)
+    mse = distributions.MSE(pred, dims=dims)
     np.testing.assert_allclose(to_np(mse.log_prob(value)), -((p - v) ** 2).sum(axes), rtol=1e-5)
     np.testing.assert_array_equal(to_np(mse.mode()), p)
-    sym = tools.SymlogMSE(pred, dims=dims)
+    sym = distributions.SymlogMSE(pred, dims=dims)
     np.testing.assert_allclose(to_np(sym.log_prob(value)), -((p - np_symlog(v)) ** 2).sum(axes), rtol=1e-5)
     np.testing.assert_allclose(to_np(sym.mode()), np_symexp(p), rtol=1e-5)
 
 
-@pytest.mark.parametrize("cls", [tools.MSE, tools.SymlogMSE])
+@pytest.mark.parametrize("cls", [distributions.MSE, distributions.SymlogMSE])
 def test_mse_with_scalar_event_is_elementwise(cls):
     """dims=0 (a scalar event, e.g. a symlog_mse reward or critic head) must not sum over the batch."""
     pred = torch.tensor([[0.5, -1.0], [2.0, 0.0]])
     value = torch.tensor([[1.0, 1.0], [-3.0, 0.0]])
-    target = to_np(value) if cls is tools.MSE else np_symlog(to_np(value))
+    target = to_np(value) if cls is distributions.MSE else np_symlog(to_np(value))
     got = cls(pred, dims=0).log_prob(value)
     assert got.shape == (2, 2)
     np.testing.assert_allclose(to_np(got), -(to_np(pred) - target) ** 2, rtol=1e-6)
@@ -341,20 +343,20 @@ def test_kl_categorical_matches_numpy():
     gen = torch.Generator().manual_seed(7)
     lhs = torch.randn(2, 3, 4, 5, generator=gen) * 2
     rhs = torch.randn(2, 3, 4, 5, generator=gen) * 2
-    got = tools.kl_categorical(lhs, rhs)
+    got = distributions.kl_categorical(lhs, rhs)
     assert got.shape == (2, 3)
     np.testing.assert_allclose(to_np(got), np_kl_categorical(to_np(lhs), to_np(rhs)), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(to_np(tools.kl_categorical(lhs, lhs)), 0.0, atol=1e-6)
+    np.testing.assert_allclose(to_np(distributions.kl_categorical(lhs, lhs)), 0.0, atol=1e-6)
 
 
 def test_kl_normal_matches_textbook_formula():
     gen = torch.Generator().manual_seed(8)
     m1, m2 = torch.randn(2, 3, 6, generator=gen), torch.randn(2, 3, 6, generator=gen)
     s1, s2 = torch.rand(2, 3, 6, generator=gen) + 0.1, torch.rand(2, 3, 6, generator=gen) + 0.1
-    got = tools.kl_normal(m1, s1, m2, s2)
+    got = distributions.kl_normal(m1, s1, m2, s2)
     assert got.shape == (2, 3)
     np.testing.assert_allclose(to_np(got), np_kl_normal(*map(to_np, (m1, s1, m2, s2))), rtol=1e-4)
-    np.testing.assert_allclose(to_np(tools.kl_normal(m1, s1, m1, s1)), 0.0, atol=1e-6)
+    np.testing.assert_allclose(to_np(distributions.kl_normal(m1, s1, m1, s1)), 0.0, atol=1e-6)
 
 
 def discrete_rssm():
@@ -845,11 +847,11 @@ def test_actor_samples_stay_in_the_action_box_with_straight_through_gradient():
     """Actions beyond [-1, 1] would be clipped by the environment but not by the world model's
     imagination; the actor scales them back into the box, keeping the reparameterised gradient."""
     mean = torch.zeros(20000, 3, requires_grad=True)
-    dist = tools.Normal(mean, torch.full((20000, 3), 2.0), absmax=1.0)
+    dist = distributions.Normal(mean, torch.full((20000, 3), 2.0), absmax=1.0)
     sample = dist.sample()
     assert sample.abs().max() <= 1.0 + 1e-6
     assert (sample.abs() > 0.999).float().mean() > 0.5  # std 2: most samples were outside the box
     sample.sum().backward()
     assert mean.grad.abs().sum() > 0
-    unbounded = tools.Normal(torch.zeros(20000, 3), torch.full((20000, 3), 2.0)).sample()
+    unbounded = distributions.Normal(torch.zeros(20000, 3), torch.full((20000, 3), 2.0)).sample()
     assert unbounded.abs().max() > 2.0

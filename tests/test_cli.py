@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import dreamer
+import launch
 import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -145,11 +146,11 @@ def stand_in_cuda(monkeypatch, built, raises, count, name="Stand-in GPU"):
         if built is None:
             raise AssertionError("Torch not compiled with CUDA enabled")
 
-    monkeypatch.setattr(tools.torch.version, "cuda", built)
-    monkeypatch.setattr(tools.torch.cuda, "init", init)
-    monkeypatch.setattr(tools.torch.cuda, "is_available", lambda: raises is None and built is not None and count > 0)
-    monkeypatch.setattr(tools.torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(tools.torch.cuda, "get_device_name", lambda index=0: name)
+    monkeypatch.setattr(launch.torch.version, "cuda", built)
+    monkeypatch.setattr(launch.torch.cuda, "init", init)
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: raises is None and built is not None and count > 0)
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(launch.torch.cuda, "get_device_name", lambda index=0: name)
 
 
 @pytest.mark.parametrize("case", sorted(UNUSABLE))
@@ -170,8 +171,8 @@ def test_an_explicit_cuda_that_cannot_be_used_stops_with_torchs_reason(monkeypat
 def test_a_gpu_index_past_the_last_is_an_error(monkeypatch):
     stand_in_cuda(monkeypatch, "13.0", None, 2)
     with pytest.raises(tools.ConfigError, match=r"there is no GPU 2: this machine has 2 \(cuda:0 to cuda:1\)"):
-        tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:2"]))
-    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:1"]))
+        launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:2"]))
+    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:1"]))
     assert config.device == "cuda:1" and note is None
 
 
@@ -179,7 +180,7 @@ def test_a_gpu_index_past_the_last_is_an_error(monkeypatch):
 def test_auto_falls_back_to_the_cpu_and_says_why(monkeypatch, case):
     built, raises, count, reason, _ = UNUSABLE[case]
     stand_in_cuda(monkeypatch, built, raises, count)
-    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
     assert config.device == "cpu" and note.startswith("auto: no usable GPU, so the CPU: ")
     assert reason.rstrip(";").removesuffix("; torch") in note, note
 
@@ -187,9 +188,9 @@ def test_auto_falls_back_to_the_cpu_and_says_why(monkeypatch, case):
 def test_auto_is_the_default_and_takes_a_usable_gpu(monkeypatch):
     assert dreamer.parse([]).device == "auto"
     stand_in_cuda(monkeypatch, "13.0", None, 1)
-    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
     assert config.device == "cuda:0" and note == "auto: CUDA is usable (Stand-in GPU)"
-    config, note = tools.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cpu"]))
+    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cpu"]))
     assert config.device == "cpu" and note is None
 
 
@@ -223,7 +224,7 @@ def test_a_bug_keeps_its_traceback_where_user_mistakes_are_one_line(tmp_path, mo
     def bug(*args, **kwargs):
         raise ValueError("a bug, not a user mistake")
 
-    monkeypatch.setattr(*((tools, "resolve_device") if where == "setup" else (models, "resolve_auto")), bug)
+    monkeypatch.setattr(*((launch, "resolve_device") if where == "setup" else (models, "resolve_auto")), bug)
     with pytest.raises(ValueError, match="a bug, not a user mistake"):
         dreamer.main(["--configs", "debug", "--device", "cpu", "--steps", "10", "--logdir", str(tmp_path / "run")])
     assert "error:" not in capsys.readouterr().err

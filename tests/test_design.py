@@ -383,7 +383,7 @@ def test_every_key_free_on_resume_is_declared_by_one_module(tmp_path, capsys):
     assert len(keys) == len(set(keys)) and set(keys) == set(dreamer.FREE_ON_RESUME)
     assert set(keys) <= set(tools.flatten(tools.load_presets()["defaults"])), set(keys)
     config = dreamer.parse(["--configs", "debug", "--logdir", str(tmp_path)])
-    tools.save_config(config, tmp_path / "config.yaml")
+    storage.save_config(config, tmp_path / "config.yaml")
     changed = config.replace({"env_timeout": 60.0, "compile": "update", "logger": ["jsonl"], "save_every": 5.0,
                               "units": 7})
     assert tools.compare_saved_config(changed, tmp_path / "config.yaml", dreamer.FREE_ON_RESUME) == ["units: 32 -> 7"]
@@ -443,17 +443,23 @@ def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total
 # -- imports in one direction ----------------------------------------------------------------------
 
 # What each module may import of the project: dreamer.py -> exploration -> models -> networks ->
-# storage, logs -> tools; parallel.py and envs/ know nothing about models; logs.py reads the suites'
-# metrics of envs/; tools.py imports nothing of the project; nothing imports dreamer.
+# distributions; models -> storage, launch -> tools; logs.py writes through storage and reads the
+# suites' metrics of envs/; resources.py sizes a run on parallel.py's environments; parallel.py and
+# envs/ know nothing about models; distributions.py and tools.py import nothing of the project;
+# nothing imports dreamer.
 ALLOWED = {
-    "dreamer": {"exploration", "models", "networks", "storage", "logs", "tools", "parallel", "envs"},
-    "exploration": {"models", "networks", "tools"},
-    "models": {"networks", "storage", "tools"},
-    "networks": {"tools"},
+    "dreamer": {"exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel", "resources",
+                "envs"},
+    "exploration": {"distributions", "models", "networks", "launch", "tools"},
+    "models": {"networks", "storage", "launch", "tools"},
+    "networks": {"distributions", "tools"},
+    "distributions": set(),
     "storage": {"tools"},
-    "logs": {"tools", "envs"},
+    "logs": {"storage", "tools", "envs"},
+    "launch": {"tools"},
     "tools": set(),
     "parallel": {"storage", "logs", "tools", "envs"},
+    "resources": {"parallel", "storage", "launch", "tools", "envs"},
 }
 PROJECT = set(ALLOWED) | {"envs"}
 

@@ -19,7 +19,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import distributions  # noqa: E402
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import models  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
@@ -49,8 +51,8 @@ def torchrun(*args, processes=2, timeout=240):
 
 def deterministic_sampling():
     """Samples are modes, so that the two halves of a batch see the noise the whole one does."""
-    tools.OneHot.sample = tools.OneHot.mode
-    tools.Normal.sample = tools.Normal.mode
+    distributions.OneHot.sample = distributions.OneHot.mode
+    distributions.Normal.sample = distributions.Normal.mode
 
 
 # The paper's sequential update with Plan2Explore, and the 2024 recipe's joint update (one LaProp
@@ -94,7 +96,7 @@ def worker(out):
     """Run by torchrun: each rank updates on its half of the batch, then on batches of its own."""
     torch.set_num_threads(1)
     deterministic_sampling()
-    ranks = tools.processes("cpu")
+    ranks = launch.processes("cpu")
     for name in UPDATES:
         agent = make_agent(name)
         if ranks.rank:  # other initial weights on rank 1: the broadcast from rank 0 must replace them
@@ -121,8 +123,8 @@ def ranks_updated(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(UPDATES))
 def test_one_update_on_two_ranks_equals_one_process_on_their_batches_together(ranks_updated, monkeypatch, name):
-    monkeypatch.setattr(tools.OneHot, "sample", tools.OneHot.mode)
-    monkeypatch.setattr(tools.Normal, "sample", tools.Normal.mode)
+    monkeypatch.setattr(distributions.OneHot, "sample", distributions.OneHot.mode)
+    monkeypatch.setattr(distributions.Normal, "sample", distributions.Normal.mode)
     torch.set_num_threads(1)
     agent = make_agent(name)
     metrics, state, grads = update(agent, make_batch(2 * BATCH, 0))
@@ -249,11 +251,11 @@ def test_modes_not_supported_under_torchrun_are_one_line(flag, tmp_path, monkeyp
 
 
 def test_single_process_averages_nothing():
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
     grads = [torch.ones(3)]
     ranks.average_(grads)
     assert torch.equal(grads[0], torch.ones(3)) and ranks.is_main and ranks.world_size == 1
-    assert isinstance(models.Optimizer.ranks, tools.SingleProcess)
+    assert isinstance(models.Optimizer.ranks, launch.SingleProcess)
 
 
 if __name__ == "__main__" and sys.argv[1] == "updates":

@@ -3,7 +3,7 @@ damaged file is one line and skipped, never a blocked resume; what cannot run is
 in one line; a finished run's rerun changes nothing.
 
 Short `dreamer.main` runs of the debug preset run in this process; the kill tests start runs of
-their own and kill them at chosen points of the checkpoint write (tools.fault_point).
+their own and kill them at chosen points of the checkpoint write (KILL_AT patches the write's steps).
 """
 
 import copy
@@ -242,21 +242,41 @@ def test_a_dead_or_stopped_worker_under_env_failure_stop_is_one_line(run_copy, c
 # -- 1, 2. a kill -9 at each step of a checkpoint or episode write ------------------------------------
 
 # A run of dreamer.main that kills itself (SIGKILL, as kill -9) at the `nth` time a write of a file
-# of `kind` reaches `point` (tools.fault_point).
+# of `kind` reaches `point`: "half written" (half of the temporary file on disk), "written" (all of
+# it, flushed), "previous kept" (latest.pt renamed to previous.pt) or "replaced" (the temporary file
+# renamed to its name). The steps are storage.write_synced and os.replace, wrapped in the child.
 KILL_AT = """
-import os, signal, sys
+import os, pathlib, signal, sys
 sys.path.insert(0, {root!r})
-import dreamer, tools
+import dreamer, storage
 point, kind, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
 seen = []
 
-def hook(name, path):
-    if name == point and (kind in path.name):
+def reached(name, path):
+    if name == point and kind in path.name:
         seen.append(path)
         if len(seen) == nth:
             os.kill(os.getpid(), signal.SIGKILL)
 
-tools.fault_hook = hook
+def write_synced(path, data, write=storage.write_synced):
+    path = pathlib.Path(path)
+    if point == "half written" and kind in path.name:
+        with path.open("wb") as f:
+            f.write(data[:len(data) // 2])
+            f.flush()
+        reached("half written", path)
+    write(path, data)
+    reached("written", path)
+
+def replace(source, target, rename=os.replace):
+    rename(source, target)
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    if storage.TEMP_PATTERN.match(source.name):
+        reached("replaced", target)
+    elif target == storage.previous_path(source):
+        reached("previous kept", source)
+
+storage.write_synced, os.replace = write_synced, replace
 dreamer.main(sys.argv[4:])
 """
 

@@ -24,6 +24,7 @@ from steering import Steering  # noqa: E402
 
 import dreamer  # noqa: E402
 import envs  # noqa: E402
+import launch  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
@@ -374,7 +375,7 @@ def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(rec
     extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
     argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10", *extra)
     config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
-    tools.seed_everything(0, False)
+    launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
     batches = fixed_batches(agent, random_episodes(16, length=length - 1), 4)
@@ -403,7 +404,7 @@ def test_the_critics_value_error_falls_on_a_fixed_replay(recipe):
     argv = flags(recipe, "--update", "sequential", "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
                  "--model_lr", "1e-30", "--actor.lr", "1e-30", "--critic.lr", "1e-3")
     config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
-    tools.seed_everything(0, False)
+    launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
     batches = fixed_batches(agent, random_episodes(16, length=length - 1), 4)
@@ -441,7 +442,7 @@ def test_four_updates_move_every_weight_of_every_learner(recipe, update):
     argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
                  "--kl_free", "0", *extra)
     config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
-    tools.seed_everything(0, False)
+    launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
     batches = fixed_batches(agent, random_episodes(8, length=length - 1), 4)
@@ -478,7 +479,7 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
         changes = restore(self, state)
         loaded.update(agent=copy.deepcopy(self.agent.state_dict()), optimizers=self.agent.optimizer_state(),
                       counters=dict(vars(self.counters)), train=self.schedules["train"].state_dict(),
-                      replay=len(self.replay), rng=tools.rng_state(self.replay.rng))
+                      replay=len(self.replay), rng=launch.rng_state(self.replay.rng))
         loaded["optimizers"] = copy.deepcopy(loaded["optimizers"])
         return changes
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from stand_ins import CountingEnv, latent_policy  # noqa: E402
 
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import models  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
@@ -189,7 +190,7 @@ class Int(Exception):
 def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_once():
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     # A window wide enough that a loaded machine's stall between the two kills stays inside it.
-    stops = tools.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, repeat_after=2.0)
+    stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, repeat_after=2.0)
     with stops:
         os.kill(os.getpid(), signal.SIGINT)
         assert stops.code == 1
@@ -201,11 +202,11 @@ def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_onc
             time.sleep(1)  # the handler runs in this thread as soon as the signal arrives
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert isinstance(stops.exception(2), Term) and isinstance(stops.exception(1), Int)
-    with tools.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, enabled=False):  # a single process: untouched
+    with launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, enabled=False):  # a single process: untouched
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-class Ranks(tools.SingleProcess):
+class Ranks(launch.SingleProcess):
     """A stand-in for the other ranks: each collective takes the maximum with their `values`."""
 
     def __init__(self, others):
@@ -219,7 +220,7 @@ class Ranks(tools.SingleProcess):
 def test_agreement_settles_readiness_save_and_stop_in_one_collective():
     now = [0.0]
     ranks = Ranks([0.0, 0.0, 0.0])
-    agreement = tools.Agreement(ranks, tools.Clock(10, now=lambda: now[0]), tools.Stops({}, enabled=False))
+    agreement = launch.Agreement(ranks, tools.Clock(10, now=lambda: now[0]), launch.Stops({}, enabled=False))
     assert agreement.settle(True) and not agreement.save_due and not agreement.stop_code
     now[0] = 10.0  # this rank's clock
     assert agreement.settle(True) and agreement.save_due
@@ -249,16 +250,16 @@ def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behi
     path = tmp_path / "latest.pt"
     storage.save_checkpoint(path, {"step": 1})
     monkeypatch.setattr(os, "fsync", failing_fsync(lambda name: True))
-    with pytest.raises(tools.WriteError) as error:
+    with pytest.raises(storage.WriteError) as error:
         storage.save_checkpoint(path, {"step": 2})
     assert str(error.value) == f"cannot write {path}: No space left on device (errno 28)"
     assert error.value.hint == "free space and rerun to resume"
-    with pytest.raises(tools.WriteError, match=r"episodes/.*-5\.npz: No space left"):
+    with pytest.raises(storage.WriteError, match=r"episodes/.*-5\.npz: No space left"):
         storage.save_episode(tmp_path / "episodes", episode(0, 5))
     monkeypatch.undo()
     assert storage.load_checkpoint(path)["step"] == 1 and not storage.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
-    readonly = tools.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
+    readonly = storage.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     assert readonly.hint == "make it writable and rerun to resume"
 
 

@@ -12,7 +12,9 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import distributions  # noqa: E402
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import networks  # noqa: E402
 import tools  # noqa: E402
 
@@ -324,9 +326,8 @@ def np_symexp(x):
 
 
 def test_symexp_bins_are_symexp_of_an_even_grid_and_antisymmetric():
-    import tools
     for n in (255, 6):
-        bins = to_np(tools.symexp_bins(n))
+        bins = to_np(distributions.symexp_bins(n))
         if n % 2:
             want = np_symexp(np.linspace(-20, 20, n))
             assert bins[n // 2] == 0
@@ -338,10 +339,9 @@ def test_symexp_bins_are_symexp_of_an_even_grid_and_antisymmetric():
 
 
 def test_symexp_twohot_loss_and_prediction_in_raw_space():
-    import tools
     logits = torch.randn(7, 255, generator=gen(40))
-    dist = tools.TwoHot(logits, squash=False)
-    bins = to_np(tools.symexp_bins(255))
+    dist = distributions.TwoHot(logits, squash=False)
+    bins = to_np(distributions.symexp_bins(255))
     values = np.array([0.0, 0.3, -2.5, 17.0, 1e3, -4e4, 1e10])  # the last beyond the top bin
     log_probs = to_np(torch.log_softmax(logits, -1))
     for i, v in enumerate(values):
@@ -356,7 +356,7 @@ def test_symexp_twohot_loss_and_prediction_in_raw_space():
         assert got == pytest.approx((target * log_probs[i]).sum(), rel=1e-4)
     probs = np.exp(log_probs)
     np.testing.assert_allclose(to_np(dist.mean()), (probs * bins).sum(-1), rtol=1e-4, atol=1e-3)
-    assert tools.TwoHot(torch.zeros(255), squash=False).mean().item() == 0.0
+    assert distributions.TwoHot(torch.zeros(255), squash=False).mean().item() == 0.0
 
 
 @pytest.mark.parametrize("dist", ["symlog_disc", "symexp_twohot"])
@@ -782,9 +782,8 @@ def test_new_keys_are_range_checked_at_start_up():
 
 
 def test_distribute_reaches_the_joint_optimizer():
-    import tools
     agent, _ = vector_setup(*JOINT)
-    ranks = tools.SingleProcess()
+    ranks = launch.SingleProcess()
     agent.distribute(ranks)
     assert set(agent.optimizers()) == {"update"}  # the one optimizer, none per network
     assert agent.optimizers()["update"].ranks is ranks

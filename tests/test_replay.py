@@ -63,7 +63,7 @@ def test_save_episode_failing_write_leaves_no_visible_episode(tmp_path, monkeypa
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tools.os, "replace", broken_replace)
+    monkeypatch.setattr(storage.os, "replace", broken_replace)
     with pytest.raises(OSError):
         storage.save_episode(directory, episode(5, start=100))
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""--envs auto / --parallel auto (parallel.Resources, decide_resources) and the per-environment step
+"""--envs auto / --parallel auto (resources.Resources, decide_resources) and the per-environment step
 cost (env/<i>/step_ms). The decision is a pure function of measured costs: it is tested on
 stand-in costs, with the expected rates worked out by hand in the comments; the measurement itself
 is run once on the debug task, and the end-to-end runs replace it by stand-in costs."""
@@ -20,6 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import parallel  # noqa: E402
+import resources  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = tools.load_presets()
@@ -45,7 +46,7 @@ def costs(env_ms=20.0, worker_ms=21.0, extra=0.5, policy=1.0, update=0.01, updat
 
 
 def decide(stand_in, tasks=("t",), train_ratio=1.0, batch=(10, 10), **kwargs):
-    return parallel.decide_resources(stand_in, list(tasks), train_ratio, *batch, **kwargs)
+    return resources.decide_resources(stand_in, list(tasks), train_ratio, *batch, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def stand_in_measurement(monkeypatch):
         calls.append(list(tasks))
         return costs(env_ms=20.0, worker_ms=21.0, extra=0.5, cores=2, task=config.task)
 
-    monkeypatch.setattr(parallel, "measure_costs", measure)
+    monkeypatch.setattr(resources, "measure_costs", measure)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()
     yield calls
@@ -187,41 +188,42 @@ def stand_in_measurement(monkeypatch):
 
 def test_resources_settle_report_save_and_reuse(tmp_path, stand_in_measurement):
     config = make_config("--envs", "auto", "--parallel", "auto")
-    resources = parallel.Resources(config, tmp_path, dreamer.Dreamer)
-    config = resources.settle()
+    sizing = resources.Resources(config, tmp_path, dreamer.Dreamer)
+    config = sizing.settle()
     # 2 cores, 0.16 updates per step x 10 ms, env-bound: in workers n environments cost
     # n / (1 + max(21 + (n - 1) 0.5, 21 n / 2) + 1.6 n) ms: 2: 77.8, 3: 80.4, 4: 81.0 steps/s; 3 is
     # the fewest within 3% of the best. In-process at most 45.8 (4 x 20 ms a step).
     assert (config.envs, config.parallel) == (3, True)
     assert torch.get_num_threads() == 2
-    text = "\n".join(resources.lines)
+    text = "\n".join(sizing.lines)
     assert "Resources: envs, parallel auto, measured" in text and "3 environments in worker processes" in text
     assert "learner on 2 torch threads" in text and "environments-bound" in text
     assert "step 20.00 ms in-process, 21.00 ms in a worker" in text and "0.16 updates per policy step" in text
-    resources.save()
+    sizing.save()
     saved = json.loads((tmp_path / "resources.json").read_text())
     assert saved["decision"]["envs"] == 3 and saved["costs"]["env_ms"] == {"dmc_cartpole_balance": 20.0}
     assert saved["settings"]["train_ratio"] == 32
     assert not list(tmp_path.glob("*.tmp*"))  # written atomically: no temporary file left
     # A second start with the same settings reuses it and says so; explicit values still win.
     again = make_config("--envs", "auto", "--parallel", "False")
-    resources = parallel.Resources(again, tmp_path, dreamer.Dreamer)
-    again = resources.settle()
+    sizing = resources.Resources(again, tmp_path, dreamer.Dreamer)
+    again = sizing.settle()
     assert (again.envs, again.parallel) == (3, False)
-    assert "reused from" in resources.lines[0] and len(stand_in_measurement) == 1
+    assert "reused from" in sizing.lines[0] and len(stand_in_measurement) == 1
     # Other settings (a train ratio) measure afresh.
-    parallel.Resources(make_config("--envs", "auto", "--train_ratio", "64"), tmp_path, dreamer.Dreamer).settle()
+    resources.Resources(make_config("--envs", "auto", "--train_ratio", "64"), tmp_path, dreamer.Dreamer).settle()
     assert len(stand_in_measurement) == 2
 
 
 def test_decision_gives_task_weights_and_placement(tmp_path, stand_in_measurement):
-    resources = parallel.Resources(make_config("--envs", "auto", "--parallel", "auto"), tmp_path, dreamer.Dreamer)
-    assert resources.weights() is None and resources.processes() is None  # nothing decided yet
-    resources.settle()
+    sizing = resources.Resources(make_config("--envs", "auto", "--parallel", "auto"), tmp_path, dreamer.Dreamer)
+    assert sizing.weights() is None and sizing.processes() is None  # nothing decided yet
+    sizing.settle()
     task = "dmc_cartpole_balance"
-    assert envs.assign_tasks([task], 3, resources.weights()) == [0, 0, 0]
-    assert resources.processes() == {task: True}
-    explicit = parallel.Resources(make_config("--envs", "auto", "--parallel", "False"), tmp_path / "b", dreamer.Dreamer)
+    assert envs.assign_tasks([task], 3, sizing.weights()) == [0, 0, 0]
+    assert sizing.processes() == {task: True}
+    explicit = resources.Resources(make_config("--envs", "auto", "--parallel", "False"), tmp_path / "b",
+                                   dreamer.Dreamer)
     explicit.settle()
     assert explicit.processes() is None  # --parallel given: config.parallel for every environment
 
@@ -229,11 +231,10 @@ def test_decision_gives_task_weights_and_placement(tmp_path, stand_in_measuremen
 @pytest.mark.parametrize("counts", [[1, 3], [2, 2], [3, 1], [1, 1], [2, 5], [4, 1]])
 def test_weights_reproduce_the_decided_counts_in_the_task_assignment(counts):
     config = make_config("--task", "dmc_cartpole_balance,dmc_cartpole_swingup")
-    resources = parallel.Resources(config, pathlib.Path("."),
-                                   dreamer.Dreamer)
-    resources.record = {"decision": {"tasks": {"dmc_cartpole_balance": {"envs": counts[0]},
-                                               "dmc_cartpole_swingup": {"envs": counts[1]}}}}
-    assignment = envs.assign_tasks(["a", "b"], sum(counts), resources.weights())
+    sizing = resources.Resources(config, pathlib.Path("."), dreamer.Dreamer)
+    sizing.record = {"decision": {"tasks": {"dmc_cartpole_balance": {"envs": counts[0]},
+                                            "dmc_cartpole_swingup": {"envs": counts[1]}}}}
+    assignment = envs.assign_tasks(["a", "b"], sum(counts), sizing.weights())
     assert [assignment.count(0), assignment.count(1)] == counts
 
 
@@ -254,16 +255,16 @@ def test_auto_with_several_tasks_places_only_the_expensive_one_in_workers(tmp_pa
     # Balance cheap (0.3 ms in-process, 1.5 through a worker), swingup dear (30 / 31 ms), 3 environments:
     # as in test_expensive_tasks_get_the_worker_processes_and_the_remainder.
     tasks = ["dmc_cartpole_balance", "dmc_cartpole_swingup"]
-    monkeypatch.setattr(parallel, "measure_costs", lambda config, names, max_threads, make_agent: costs(
+    monkeypatch.setattr(resources, "measure_costs", lambda config, names, max_threads, make_agent: costs(
         env_ms=dict(zip(tasks, (0.3, 30.0))), worker_ms=dict(zip(tasks, (1.5, 31.0))), extra=0.2, cores=4))
     config = make_config("--task", ",".join(tasks), "--envs", "3", "--parallel", "auto", "--steps", "1e6")
-    resources = parallel.Resources(config, tmp_path, dreamer.Dreamer)
-    config = resources.settle()
-    created = parallel.make_envs(config, "train", config.envs, 0, resources.weights(), resources.processes())
+    sizing = resources.Resources(config, tmp_path, dreamer.Dreamer)
+    config = sizing.settle()
+    created = parallel.make_envs(config, "train", config.envs, 0, sizing.weights(), sizing.processes())
     try:
         placed = sorted((tasks[env.task_index], env.in_process) for env in created)
         assert placed == [(tasks[0], True), (tasks[1], False), (tasks[1], False)]
-        assert "2 of the environments" in "\n".join(resources.lines)
+        assert "2 of the environments" in "\n".join(sizing.lines)
     finally:
         for env in created:
             env.close()
@@ -274,7 +275,7 @@ def test_start_up_summary_counts_the_environments_the_decision_gave_each_task(tm
     # Balance cheap in-process (0.3 ms), swingup dear (30 ms): the decision gives swingup the remainder
     # environment, 2 of 3, where round-robin would give it 1.
     tasks = ["dmc_cartpole_balance", "dmc_cartpole_swingup"]
-    monkeypatch.setattr(parallel, "measure_costs", lambda config, names, max_threads, make_agent: costs(
+    monkeypatch.setattr(resources, "measure_costs", lambda config, names, max_threads, make_agent: costs(
         env_ms=dict(zip(tasks, (0.3, 30.0))), worker_ms=dict(zip(tasks, (31.0, 31.0))), extra=0.2, cores=4))
     dreamer.main([*SHORT, "--task", ",".join(tasks), "--envs", "3", "--parallel", "auto", "--logdir",
                   str(tmp_path / "run"), "--steps", "12", "--prefill", "6", "--pretrain", "0"])
@@ -283,10 +284,10 @@ def test_start_up_summary_counts_the_environments_the_decision_gave_each_task(tm
 
 
 def test_explicit_values_skip_the_measurement(tmp_path, stand_in_measurement):
-    resources = parallel.Resources(make_config("--envs", "3"), tmp_path, dreamer.Dreamer)
-    resources.settle()
-    resources.save()
-    assert stand_in_measurement == [] and resources.lines == [] and not (tmp_path / "resources.json").exists()
+    sizing = resources.Resources(make_config("--envs", "3"), tmp_path, dreamer.Dreamer)
+    sizing.settle()
+    sizing.save()
+    assert stand_in_measurement == [] and sizing.lines == [] and not (tmp_path / "resources.json").exists()
 
 
 def test_auto_run_prints_the_decision_logs_step_ms_and_resumes_with_it(tmp_path, capsys, stand_in_measurement):
@@ -313,7 +314,7 @@ def test_auto_with_the_asynchronous_loop_sets_the_learners_threads(tmp_path, cap
     # learner on one thread leaves a core to the environments: min(1 / 21 ms, 1 / (0.16 x 2 s)) = 3.1
     # steps/s; on two it leaves none, and the two take turns: 1 / (21 ms + 0.16 s) = 5.52 with one
     # environment, 2 / (41 ms + 0.32 s) = 5.54 with two (within 3%): one environment, two threads.
-    monkeypatch.setattr(parallel, "measure_costs", lambda config, tasks, max_threads, make_agent: costs(
+    monkeypatch.setattr(resources, "measure_costs", lambda config, tasks, max_threads, make_agent: costs(
         env_ms=20.0, worker_ms=21.0, update=1.0, update_1=2.0, cores=2, task=config.task))
     logdir = tmp_path / "run"
     dreamer.main([*SHORT, "--envs", "auto", "--asynchronous", "--logdir", str(logdir), "--steps", "40",
@@ -391,27 +392,27 @@ def test_collector_status_reports_step_ms_per_interval():
 @pytest.mark.slow  # measures for seconds
 def test_measure_env_and_time_agent_on_the_debug_task():
     config = make_config()
-    measured = parallel.measure_env(functools.partial(envs.make_env, config, "train", 0), steps=15, budget=1.0)
+    measured = resources.measure_env(functools.partial(envs.make_env, config, "train", 0), steps=15, budget=1.0)
     for key in ("step_ms", "worker_ms", "extra_worker_ms", "worker_start_s"):
         assert np.isfinite(measured[key]) and measured[key] >= 0, key
     assert measured["worker_ms"] > 0 and measured["step_ms"] > 0
     torch.manual_seed(0)
     agent = dreamer.Dreamer(measured["obs_space"], measured["act_space"], config)
     before = {k: v.clone() for k, v in agent.state_dict().items()}
-    timed = parallel.time_agent(agent, measured["obs_space"], measured["act_space"], config, 1, False)
+    timed = resources.time_agent(agent, measured["obs_space"], measured["act_space"], config, 1, False)
     assert set(timed) == {"policy_ms", "policy_extra_ms", "update_s"} and timed["update_s"] > 0
     assert any(not torch.equal(before[k], v) for k, v in agent.state_dict().items())  # it really updated
 
 
 def test_measure_costs_keeps_the_random_state(monkeypatch):
     config = make_config()
-    monkeypatch.setattr(parallel, "measure_env", lambda ctor, seed=0: {
+    monkeypatch.setattr(resources, "measure_env", lambda ctor, seed=0: {
         **dict(zip(("obs_space", "act_space"), spaces_of(config))), "step_ms": 1.0, "worker_ms": 2.0,
         "extra_worker_ms": 0.1, "worker_start_s": 0.5})
     torch.manual_seed(3)
     expected = torch.rand(3)
     torch.manual_seed(3)
-    result = parallel.measure_costs(config, [config.task], 1, dreamer.Dreamer)
+    result = resources.measure_costs(config, [config.task], 1, dreamer.Dreamer)
     assert torch.equal(torch.rand(3), expected)
     assert result["env_ms"] == {config.task: 1.0} and result["update_s"] > 0 and result["gpu"] is False
 

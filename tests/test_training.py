@@ -169,9 +169,9 @@ import resource, sys
 import torch
 sys.path.insert(0, sys.argv[2])
 import dreamer
-import tools
+import launch
 if sys.argv[1] == "tuned":
-    assert tools.keep_freed_memory()
+    assert launch.keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(4):  # 128 MB blocks, written and freed, until the heap holds a hole that fits one
     block = torch.ones(2**25)

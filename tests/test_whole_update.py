@@ -27,6 +27,7 @@ import torch
 
 import dreamer
 import envs
+import launch
 import models
 import storage
 import tools
@@ -348,7 +349,7 @@ def test_compile_update_is_refused_under_torchrun(spaces):
     config = dreamer.parse([*SHORT, "--compile", "update"])
     agent = dreamer.Dreamer(*spaces, config)
 
-    class TwoRanks(tools.SingleProcess):
+    class TwoRanks(launch.SingleProcess):
         world_size = 2
 
     with pytest.raises(tools.ConfigError, match="--compile update does not run under torchrun.*--compile True"):

@@ -1,0 +1,216 @@
+"""The output distributions of the networks' heads and the KL terms between latents.
+
+symlog/symexp and two-hot (`TwoHot`: the reward and critic heads), one-hot with unimix (`OneHot`:
+discrete latents and actions), the bounded diagonal Gaussian (`Normal`: continuous actions and
+latents), the squared-error heads (`SymlogMSE`, `MSE`: decoders) and the continue flag
+(`Bernoulli`). Each has `mode()`, `log_prob()` and, where a head samples, `sample()` and `entropy()`.
+
+The official code (embodied/jax/outs.py) names some differently: `SymlogMSE` is its MSE with
+squash=symlog, `Bernoulli` its Binary, `unimix_logits` the mixing inside its Categorical, and
+`kl_categorical` / `kl_normal` its Categorical.kl / Normal.kl.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def symlog(x):
+    return torch.sign(x) * torch.log1p(x.abs())
+
+
+def symexp(x):
+    return torch.sign(x) * torch.expm1(x.abs())
+
+
+class TwoHot:
+    """Categorical over `bins` two-hot bins (Eq. 9-10 of the paper).
+
+    squash True (the paper's 'symlog_disc'): bins equally spaced in symlog space from low to
+    high; the prediction is symexp(E[bin]) and the loss the cross-entropy against the two-hot
+    encoding of symlog(target). squash False (the 2024 recipe's 'symexp_twohot'): the bins
+    themselves are symexp-spaced (symexp_bins), prediction E[bin] and target encoded as is.
+    """
+
+    def __init__(self, logits, low=-20.0, high=20.0, squash=True):
+        logits = logits.float()  # distribution parameters in float32 also under autocast (official code)
+        self.logits = logits  # (..., bins)
+        self.log_probs = torch.log_softmax(logits, -1)
+        self.squash = squash
+        if squash:
+            bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
+            if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
+                bins = (bins - bins.flip(0)) / 2
+        else:
+            bins = symexp_bins(logits.shape[-1], high, logits.device)
+        self.bins = bins
+
+    def mean(self):  # (...)
+        probs = self.log_probs.exp()
+        n = probs.shape[-1]
+        if n % 2 == 1:
+            # Add mirrored bins first, so that uniform probabilities predict exactly 0.
+            m = n // 2
+            lower = (probs[..., :m] * self.bins[:m]).flip(-1)
+            upper = probs[..., m + 1:] * self.bins[m + 1:]
+            expected = (lower + upper).sum(-1) + probs[..., m] * self.bins[m]
+        else:
+            expected = (probs * self.bins).sum(-1)
+        return symexp(expected) if self.squash else expected
+
+    mode = mean
+
+    def log_prob(self, value):  # value: (...) -> (...)
+        value = value.float()
+        target = twohot_encode(symlog(value) if self.squash else value, self.bins)
+        return (target * self.log_probs).sum(-1)
+
+
+def symexp_bins(num, high=20.0, device=None):
+    """`num` bins at symexp of points equally spaced in [-high, high], exactly antisymmetric
+    (with an exact 0 in the middle when num is odd)."""
+    half = symexp(torch.linspace(-high, 0.0, (num + 1) // 2 if num % 2 else num // 2, device=device))
+    mirror = -half[:-1].flip(0) if num % 2 else -half.flip(0)
+    return torch.cat([half, mirror])
+
+
+def twohot_encode(x, bins):
+    """Two-hot target (..., bins) for values x (...) already in bin space."""
+    num = len(bins)
+    below = ((bins <= x[..., None]).sum(-1) - 1).clamp(0, num - 1)
+    above = (num - (bins > x[..., None]).sum(-1)).clamp(0, num - 1)
+    equal = below == above
+    dist_below = torch.where(equal, 1.0, (bins[below] - x).abs())
+    dist_above = torch.where(equal, 1.0, (bins[above] - x).abs())
+    total = dist_below + dist_above
+    return (F.one_hot(below, num) * (dist_above / total)[..., None]
+            + F.one_hot(above, num) * (dist_below / total)[..., None])
+
+
+class SymlogMSE:
+    """Regression in symlog space: the network predicts symlog(x)."""
+
+    def __init__(self, pred, dims=1):
+        self.pred = pred.float()
+        self.dims = tuple(range(-dims, 0))
+
+    def mode(self):
+        return symexp(self.pred)
+
+    mean = mode
+
+    def log_prob(self, value):
+        error = (self.pred - symlog(value)) ** 2
+        return -error.sum(self.dims) if self.dims else -error
+
+
+class MSE:
+    """Plain squared error, summed over the event dims (used for images in [0, 1])."""
+
+    def __init__(self, pred, dims=1):
+        self.pred = pred.float()
+        self.dims = tuple(range(-dims, 0))
+
+    def mode(self):
+        return self.pred
+
+    mean = mode
+
+    def log_prob(self, value):
+        error = (self.pred - value) ** 2
+        return -error.sum(self.dims) if self.dims else -error
+
+
+class Bernoulli:
+    """Continue flag: one logit per step, event shape (1,)."""
+
+    def __init__(self, logits):
+        self.logits = logits.float()  # (..., 1)
+
+    def mode(self):
+        return (self.logits > 0).float()
+
+    def mean(self):
+        return torch.sigmoid(self.logits)
+
+    def log_prob(self, value):
+        return -F.binary_cross_entropy_with_logits(self.logits, value, reduction="none").sum(-1)
+
+
+def unimix_logits(logits, unimix):
+    """Mix `unimix` of the uniform distribution into a softmax and return its logits."""
+    if unimix <= 0:
+        return logits
+    probs = torch.softmax(logits, -1)
+    probs = (1 - unimix) * probs + unimix / logits.shape[-1]
+    return torch.log(probs)
+
+
+class OneHot:
+    """Categorical over the last dim with one-hot samples and straight-through gradients."""
+
+    def __init__(self, logits, unimix=0.0):
+        self.logits = unimix_logits(logits.float(), unimix)  # (..., classes)
+        self.log_probs = torch.log_softmax(self.logits, -1)
+        self.probs = self.log_probs.exp()
+
+    def mode(self):
+        index = self.logits.argmax(-1)
+        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
+
+    def sample(self):
+        # Inverse-CDF sampling: one uniform per categorical, much faster than torch.multinomial.
+        cdf = self.probs.detach().float().cumsum(-1)
+        uniform = torch.rand(*cdf.shape[:-1], 1, device=cdf.device)
+        index = (cdf < uniform * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
+        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
+
+    def log_prob(self, onehot):
+        return (onehot * self.log_probs).sum(-1)
+
+    def entropy(self):
+        return -(self.probs * self.log_probs).sum(-1)
+
+
+class Normal:
+    """Diagonal Gaussian over the last dim (continuous actions, continuous latents).
+
+    With `absmax`, samples are scaled back into [-absmax, absmax] with a straight-through
+    gradient, so that the actions the world model imagines are the ones the environment executes.
+    """
+
+    def __init__(self, mean, std, absmax=None):
+        mean, std = mean.float(), std.float()
+        self.dist = torch.distributions.Normal(mean, std)
+        self.mean_ = mean
+        self.absmax = absmax
+
+    def mode(self):
+        return self.mean_
+
+    def sample(self):
+        sample = self.dist.rsample()
+        if self.absmax is not None:
+            sample = sample * (self.absmax / sample.abs().clamp(min=self.absmax)).detach()
+        return sample
+
+    def log_prob(self, value):
+        return self.dist.log_prob(value).sum(-1)
+
+    def entropy(self):
+        return self.dist.entropy().sum(-1)
+
+
+def kl_categorical(lhs_logits, rhs_logits):
+    """KL[lhs || rhs] for independent categoricals (..., stoch, classes) -> (...)."""
+    lhs_log = torch.log_softmax(lhs_logits, -1)
+    rhs_log = torch.log_softmax(rhs_logits, -1)
+    return (lhs_log.exp() * (lhs_log - rhs_log)).sum(-1).sum(-1)
+
+
+def kl_normal(lhs_mean, lhs_std, rhs_mean, rhs_std):
+    """KL[lhs || rhs] for diagonal Gaussians (..., stoch) -> (...)."""
+    var_ratio = (lhs_std / rhs_std) ** 2
+    term = ((lhs_mean - rhs_mean) / rhs_std) ** 2
+    return 0.5 * (var_ratio + term - 1 - torch.log(var_ratio)).sum(-1)
