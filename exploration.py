@@ -188,32 +188,17 @@ class Plan2Explore(nn.Module):
         return metrics
 
 
+# expl_behavior -> its behaviour, built from (config, world_model, act_space); greedy has none:
+# the task actor-critic collects.
+BEHAVIORS = {"greedy": lambda config, world_model, act_space: None,
+             "random": lambda config, world_model, act_space: Random(config, act_space),
+             "plan2explore": lambda config, world_model, act_space: Plan2Explore(config, world_model, act_space)}
+
+
 def make_behavior(config, world_model, act_space):
     """The exploration behaviour `expl_behavior` names: None for greedy (the task actor-critic
     collects), else the Random or Plan2Explore module."""
-    if config.expl_behavior == "greedy":
-        return None
-    if config.expl_behavior == "random":
-        return Random(config, act_space)
-    if config.expl_behavior == "plan2explore":
-        return Plan2Explore(config, world_model, act_space)
-    raise ValueError(f"expl_behavior '{config.expl_behavior}' has no behaviour; valid: "
-                     + ", ".join(CHOICES["expl_behavior"]))
+    return BEHAVIORS[config.expl_behavior](config, world_model, act_space)
 
 
 COMPILED = (Ensemble,)  # compiled like networks.COMPILED when compile is on
-
-# The choices this module owns, checked once when the config is parsed.
-CHOICES = {
-    "expl_behavior": ("greedy", "random", "plan2explore"),
-    "disag_target": tuple(Plan2Explore.TARGETS),
-}
-
-# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
-# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
-RANGES = {
-    "expl_until": (tools.at_least(0), "a whole number >= 0"),
-    "disag_models": (tools.at_least(1), "a whole number >= 1"),
-    "disag_units": (tools.at_least(1), "a whole number >= 1"),
-    "disag_offset": (tools.at_least(0), "a whole number >= 0"),
-}

@@ -774,57 +774,6 @@ IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encode
 VECTOR_DISTS = {"symlog_mse": tools.SymlogMSE, "mse": tools.MSE}  # decoder.vector_dist
 ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
-# The choices this module owns, checked once when the config is parsed (tools.parse); the
-# constructors take them on trust.
-CHOICES = {
-    "act": tuple(ACTIVATIONS),
-    "encoder.act": tuple(ACTIVATIONS),
-    "decoder.act": tuple(ACTIVATIONS),
-    "norm": NORMS,
-    "encoder.norm": NORMS,
-    "decoder.norm": NORMS,
-    "winit": WINITS,
-    "initial": ("learned", "zeros"),
-    "dyn_cell": ("gru", "blockgru"),
-    "dyn_mean_act": MEAN_ACTS,
-    "dyn_std_act": tuple(STD_ACTS),
-    "encoder.cnn": tuple(IMAGE_ENCODERS),
-    "decoder.cnn": ("transposed", "upsample"),
-    "decoder.vector_dist": tuple(VECTOR_DISTS),
-    "actor.dist": ("auto", *ACTOR_DISTS),  # auto: settled by models.resolve_auto
-}
-
 # The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
-
-# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
-# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
-RANGES = {
-    "dyn_img_layers": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
-                   "a whole number >= 1 that divides --dyn_deter"),
-    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "dyn_hidden": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_deter": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_stoch": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_discrete": (tools.at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
-    "dyn_rec_depth": (tools.at_least(1), "a whole number >= 1"),
-    "units": (tools.at_least(1), "a whole number >= 1"),
-    "actor.min_std": (tools.positive, "a number > 0"),
-    "actor.absmax": (tools.at_least(0), "a number >= 0 (0 for unbounded samples)"),
-    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
-    "dyn_min_std": (tools.at_least(0), "a number >= 0"),
-    "encoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.minres": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.minres": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "encoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-}
-
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)
