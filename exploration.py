@@ -82,17 +82,9 @@ class Plan2Explore(nn.Module):
         super().__init__()
         self.config = config
         self.wm = [world_model]  # a list keeps the world model out of this module's parameters
-        if config.disag_models < 2:
-            raise tools.ConfigError(f"Invalid value '{config.disag_models}' for --disag_models: disagreement needs "
-                                    "at least 2 members")
-        if not 0 <= config.disag_offset < config.batch_length:
-            raise tools.ConfigError(f"Invalid value '{config.disag_offset}' for --disag_offset: it must lie in "
-                                    "[0, batch_length)")
         rssm = world_model.rssm
         stoch = rssm.stoch * rssm.discrete if rssm.discrete else rssm.stoch
         sizes = {"stoch": stoch, "deter": rssm.deter, "embed": world_model.encoder.outdim, "feat": rssm.feat_size}
-        if config.disag_target not in sizes:
-            raise ValueError(f"disag_target '{config.disag_target}' has no target; valid: {', '.join(self.TARGETS)}")
         self.target_size = sizes[config.disag_target]
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
@@ -119,9 +111,7 @@ class Plan2Explore(nn.Module):
         feat = self.wm[0].rssm.get_feat(post)
         if name == "feat":
             return feat
-        if name == "stoch":
-            return feat[..., :self.target_size]  # get_feat puts stoch first
-        raise ValueError(f"disag_target '{name}' has no target; valid: {', '.join(self.TARGETS)}")
+        return feat[..., :self.target_size]  # stoch: get_feat puts it first
 
     def disagreement(self, inputs):  # (..., inp) -> (...)
         """Variance across members (unbiased, 1/(K-1) as in the paper), averaged over dimensions.

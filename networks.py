@@ -92,8 +92,6 @@ def reinit(module, winit):
     weights (and the random stream) untouched."""
     if winit == "fan_avg":
         return module
-    if winit != "fan_in":
-        raise ValueError(f"winit '{winit}' has no rule; valid: {', '.join(WINITS)}")
     for m in module.modules():
         if hasattr(m, "init_scale"):
             init_(m, m.init_scale, fan="in")
@@ -509,12 +507,10 @@ class MultiDecoder(nn.Module):
             if config.cnn == "transposed":
                 self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
                                        config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
-            elif config.cnn == "upsample":  # needs deter apart from the stochastic state: feat is [stoch, deter]
+            else:  # upsample: needs deter apart from the stochastic state, feat is [stoch, deter]
                 self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
                                                config.cnn_depth, config.kernel_size, config.minres, config.act,
                                                config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
-            else:
-                raise ValueError(f"decoder.cnn '{config.cnn}' has no decoder; valid: transposed, upsample")
         if self.mlp_shapes:  # one MLP for all vector keys, then an output layer per key
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
@@ -626,21 +622,15 @@ class RSSM(nn.Module):
         self.stoch, self.discrete, self.deter = config.dyn_stoch, config.dyn_discrete, config.dyn_deter
         self.unimix, self.rec_depth = config.unimix_ratio, config.dyn_rec_depth
         self.mean_act, self.std_act, self.min_std = config.dyn_mean_act, config.dyn_std_act, config.dyn_min_std
-        if self.mean_act not in MEAN_ACTS:
-            raise ValueError(f"dyn_mean_act '{self.mean_act}' has no bound; valid: {', '.join(MEAN_ACTS)}")
         self.initial_mode = config.initial
         stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
         hidden, act, norm = config.dyn_hidden, config.act, config.norm
         if config.dyn_cell == "gru":
             self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
             self.cell = GRUCell(hidden, self.deter, norm)
-        elif config.dyn_cell == "blockgru":  # the block GRU embeds deter, stoch and action itself
+        else:  # blockgru: the block GRU embeds deter, stoch and action itself
             self.img_in = nn.Identity()
             self.cell = BlockGRUCell(stoch_flat, action_size, hidden, self.deter, config.dyn_blocks, act, norm)
-        else:
-            raise ValueError(f"dyn_cell '{config.dyn_cell}' has no cell; valid: gru, blockgru")
-        if config.initial not in ("learned", "zeros"):
-            raise ValueError(f"initial '{config.initial}' has no initial state; valid: learned, zeros")
         img_layers = [dense(self.deter if i == 0 else hidden, hidden, act, norm) for i in range(config.dyn_img_layers)]
         self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
@@ -659,7 +649,7 @@ class RSSM(nn.Module):
             logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
             return {"logit": tools.unimix_logits(logit, self.unimix)}
         mean, std = x.chunk(2, -1)
-        if self.mean_act == "tanh5":  # else "none" (checked at construction)
+        if self.mean_act == "tanh5":  # else "none", the only other choice (config.SCHEMA)
             mean = 5.0 * torch.tanh(mean / 5.0)
         std = STD_ACTS[self.std_act](std)
         return {"mean": mean, "std": std + self.min_std}
