@@ -202,7 +202,6 @@ SCHEMA = {
     # parallel.py: where and how the environments run, not what they are, may change on resume
     "env_failure": Key(choices=("restart", "stop"), free=True),
     "parallel": Key(choices=("auto", True, False), free=True),  # auto: settled by parallel.Resources
-    "env_timeout": Key(range=(positive, "a number > 0 (seconds)"), free=True),
     # logs.py: where the metrics go, not what they are, may change on resume
     "logger": Key(free=True),
     "wandb.project": Key(free=True),
@@ -224,6 +223,8 @@ SCHEMA = {
     "prefill": Key(range=(at_least(0), WHOLE.format(0)), whole=True),
     "pretrain": Key(range=(at_least(0), WHOLE.format(0)), whole=True),
     "eval_every": Key(range=(at_least(0), WHOLE.format(0)), whole=True, free=True),
+    # parallel.py reads env_timeout; here, it keeps its place in the order of the checks
+    "env_timeout": Key(range=(positive, "a number > 0 (seconds)"), free=True),
     "save_every": Key(range=(at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
                       free=True),
     "chunk_size": Key(range=(lambda v, flat: isinstance(v, int) and v >= 0,
