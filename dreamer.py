@@ -7,13 +7,12 @@ It reads top to bottom in the order a run goes: `main` parses and checks the com
 environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
 agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `AsyncLoop`) collects
 and learns; then its `Checkpoints`, its `RunLog` and its `Evaluation`, each built from what it
-reads, not from the Trainer; --eval_only, the start-up summary, and last the run's own flag
-tables. Rerunning the same command resumes.
+reads, not from the Trainer; and last --eval_only. Rerunning the same command resumes.
 
-The config machinery lives in tools.py (Configuration), episode files and the replay in
-storage.py, logging and progress in logs.py, experience collection in parallel.py, resource sizing
-in resources.py, processes, devices and random state in launch.py, the world model, actor-critic
-and the update (models.Update.train_step) in models.py.
+The config's schema, parser, --help, argument checks and start-up summary live in config.py,
+episode files and the replay in storage.py, logging and progress in logs.py, experience collection
+in parallel.py, resource sizing in resources.py, processes, devices and random state in launch.py,
+the world model, actor-critic and the update (models.Update.train_step) in models.py.
 """
 
 import collections
@@ -22,10 +21,8 @@ import functools
 import json
 import os
 import pathlib
-import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import config as cfg
 import envs
 import exploration
 import launch
@@ -53,16 +51,16 @@ def main(argv=None):
         at = argv.index("--help" if "--help" in argv else "-h")
         topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
         try:
-            print(usage(topic))
+            print(cfg.usage(topic))
         except tools.ConfigError as e:
-            fail(str(e))
+            cfg.fail(str(e))
         return None
     previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         try:
             config, logdir, device_note, changed = setup(argv)
         except (tools.ConfigError, envs.TaskError) as e:  # a user mistake; any other error keeps its traceback
-            fail(str(e))
+            cfg.fail(str(e))
         ranks = launch.processes(config.device)
         try:
             return run_processes(config, logdir, device_note, changed, ranks)
@@ -106,126 +104,24 @@ def setup(argv):
     """Parse and check everything that can be wrong before any file is written. Returns the
     config (its task spelled canonically, its device one that can be used), the logdir, why --device
     auto chose its device (or None) and the differences from the run's saved config."""
-    config = parse(sys.argv[1:] if argv is None else argv)
-    check_text(config)
-    check_processes(config)
+    config = cfg.parse(sys.argv[1:] if argv is None else argv)
+    cfg.check_text(config)
+    cfg.check_processes(config)
     logs.check_loggers(config.logger)  # wandb missing: one line, before the logdir exists
     if not config.logdir:
         raise tools.ConfigError("Missing --logdir: give the folder for this run, e.g. --logdir ./logdir/walker")
-    config = check_tasks(config)
+    config = cfg.check_tasks(config)
     logdir = pathlib.Path(config.logdir).expanduser()
-    check_logdir(logdir)
-    check_offline_traindir(config)
+    cfg.check_logdir(logdir)
+    cfg.check_offline_traindir(config)
     warnings_ = []
     if (logdir / "config.yaml").exists():
-        warnings_ = tools.compare_saved_config(config, logdir / "config.yaml", FREE_ON_RESUME)
+        warnings_ = cfg.compare_saved_config(config, logdir / "config.yaml")
     checkpoint = logdir / "latest.pt"
     if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     config, device_note = launch.resolve_device(config)
     return config, logdir, device_note, warnings_
-
-
-def check_text(config):
-    """Every text value must be UTF-8: config.yaml, the logs and TensorBoard's writer store them as
-    such (a folder name from bytes that are not UTF-8 reaches Python as lone surrogates)."""
-    for key, value in tools.flatten(config.to_dict()).items():
-        for text in value if isinstance(value, list) else [value]:
-            if not isinstance(text, str):
-                continue
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raw = os.fsencode(text)
-                raise tools.ConfigError(f"Invalid value {raw!r} for --{key}: not UTF-8 text; give a name in UTF-8 "
-                                        "(config.yaml, the logs and TensorBoard store it as such)") from None
-
-
-def check_processes(config):
-    """Modes not yet supported under torchrun: one line before any process group starts."""
-    if launch.torchrun_rank() is None:
-        return
-    for key in ("eval_only", "offline_traindir", "asynchronous"):
-        if getattr(config, key, None):
-            raise tools.ConfigError(f"--{key} is not supported with torchrun yet; run it as one process "
-                                    "(python3 dreamer.py ...)")
-    for key in ("envs", "parallel"):  # every rank must collect alike: one measurement would not do for all
-        if getattr(config, key, None) == "auto":
-            raise tools.ConfigError(f"--{key} auto is not supported with torchrun yet; give --{key} a value")
-
-
-def check_logdir(logdir):
-    """The logdir must be a folder, or creatable, and writable: probed with a temporary file that
-    is removed again, because permission bits say nothing for root or read-only mounts."""
-    if logdir.exists() and not logdir.is_dir():
-        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: it is a file, not a folder")
-    existing = next(p for p in (logdir, *logdir.parents) if p.exists())
-    if not existing.is_dir():
-        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: {existing} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: cannot write in {existing} "
-                                f"({e.strerror or e})") from None
-
-
-def check_tasks(config):
-    """--task names one task or several, comma-separated, each known to its suite; a run of several
-    needs a training environment per task. Returns the config with its task spelled canonically
-    (no spaces), as saved."""
-    tasks = envs.parse_tasks(config.task)
-    for task in tasks:
-        envs.check_task(task)
-    if (len(tasks) > 1 and not offline(tools.flatten(config.to_dict())) and isinstance(config.envs, int)
-            and config.envs < len(tasks)):
-        raise tools.ConfigError(f"Invalid value '{config.envs}' for --envs: {len(tasks)} tasks need at least one "
-                                f"training environment each; valid: a whole number >= {len(tasks)}")
-    return config.replace(task=",".join(tasks))
-
-
-def check_offline_traindir(config):
-    if not config.offline_traindir:
-        return
-    folder = pathlib.Path(config.offline_traindir).expanduser()
-    if not folder.is_dir() or not any(folder.glob("*.npz")):
-        raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: "
-                                f"{'no episode files (*.npz) in it' if folder.is_dir() else 'no such folder'}")
-
-
-def fail(message):
-    print(f"error: {shorten_values(message)}", file=sys.stderr)
-    sys.exit(2)
-
-
-def shorten_values(message, keep=60):
-    """A message with every quoted value longer than `keep` characters cut to its start and length:
-    a 100 KB --task is named, not echoed."""
-    return re.sub(r"(?<!\w)'([^']{%d,})'(?!\w)" % (keep + 20),
-                  lambda m: f"'{m.group(1)[:keep]}...' ({len(m.group(1)):,} characters)", message)
-
-
-def usage(topic=None):
-    """--help [TOPIC]: how to call the script, the presets, and every key with its default and its
-    comment from configs.yaml (tools.config_reference); TOPIC, a group or key prefix such as
-    `actor` or `dyn_`, narrows the keys."""
-    presets = [name for name in tools.load_presets() if name != "defaults"]
-    lines = tools.config_help(topic)
-    if topic is not None:
-        return "\n".join(lines)
-    return "\n".join([
-        "usage: python3 dreamer.py [--configs PRESET ...] --logdir DIR [--KEY VALUE ...]",
-        "       python3 dreamer.py --help [TOPIC]   (TOPIC: a group or key prefix, e.g. actor, dyn_)",
-        "",
-        __doc__.strip().splitlines()[0],
-        "",
-        "Presets (merged in the order given, over `defaults`): " + ", ".join(presets),
-        f"Every key of {tools.CONFIG_FILE.name} is a flag: --task dmc_walker_walk, --actor.lr 1e-4, --size 64,64;",
-        "a boolean flag alone means True. Rerunning the same command resumes the run in --logdir.",
-        "",
-        f"Keys, with their defaults (from {tools.CONFIG_FILE.name}, the reference):",
-        *lines,
-    ])
 
 
 def run_processes(config, logdir, device_note, changed, ranks):
@@ -241,7 +137,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
     try:
         lock = storage.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
     except storage.LogdirBusy as e:
-        fail(str(e))
+        cfg.fail(str(e))
     ranks.barrier()  # the others start only once the main process has the logdir
     launch.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
@@ -269,7 +165,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         # A user mistake, or a suite whose package is missing: its last line says what to do.
         for env in train_envs + eval_envs:
             env.close()
-        fail(str(e).strip().splitlines()[-1])
+        cfg.fail(str(e).strip().splitlines()[-1])
     try:
         try:
             if config.eval_only:
@@ -279,7 +175,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
             if ranks.is_main:
                 lock = lock or storage.lock_logdir(logdir)  # noqa: F841 - held until this process ends
         except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
-            fail(str(e))
+            cfg.fail(str(e))
         if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
             for line in trainer.notes:
                 print(line, flush=True)
@@ -287,8 +183,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
                   "nothing to do (a larger --steps continues it)", flush=True)
             return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
-        print(summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                      sizing.weights(), resolved, spec), flush=True)
+        print(cfg.summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
+                          sizing.weights(), resolved, spec), flush=True)
         for line in sizing.lines:
             print(line, flush=True)
         for line in trainer.notes:
@@ -298,7 +194,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         for line in models.ignored_keys(config):  # keys the update mode reads nowhere
             print(f"warning: {line}", flush=True)
         if ranks.is_main:
-            storage.save_config(config, logdir / "config.yaml")
+            cfg.save_config(config, logdir / "config.yaml")
             sizing.save()
         trainer.train()
     finally:
@@ -330,15 +226,11 @@ def check_memory(config, obs_space, act_space):
     if free is None or need <= free:
         return
     flat = tools.flatten(config.to_dict())
-    largest = sorted((key for key in MODEL_SIZE_KEYS if key in flat), key=lambda key: -flat[key])[:3]
+    sizes = [key for key, row in cfg.SCHEMA.items() if row.size and key in flat]
+    largest = sorted(sizes, key=lambda key: -flat[key])[:3]
     raise tools.ConfigError(f"the model has {params:,} parameters, whose weights, gradients and optimizer moments "
                             f"need {need / 1e9:,.3g} GB, and {free / 1e9:.3g} GB of {config.device} memory is free: "
                             f"make it smaller (its largest sizes: {', '.join(f'--{k} {flat[k]}' for k in largest)})")
-
-
-# The keys that set the width of a network (for check_memory's message).
-MODEL_SIZE_KEYS = ("units", "dyn_hidden", "dyn_deter", "dyn_stoch", "dyn_discrete", "encoder.cnn_depth",
-                   "decoder.cnn_depth", "encoder.mlp_units", "decoder.mlp_units", "disag_units")
 
 
 # ==================================================================================================
@@ -1289,138 +1181,6 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
           f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
     return result
-
-
-# ==================================================================================================
-# The start-up summary
-# ==================================================================================================
-
-
-def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, resolved=None, spec=None):
-    """The start-up summary: what runs where, what differs from defaults, how big the model is and,
-    given the stored step's `spec` (storage.episode_spec with the replay context's latents), what the
-    run will cost. `weights`: the task weights the training environments were made with
-    (Resources.weights()); `resolved`: the keys that were 'auto' (models.resolve_auto; by default
-    those the agent settled)."""
-    resolved = agent.resolved if resolved is None else resolved
-    defaults = tools.flatten(tools.load_presets()["defaults"])
-    changed = {k: v for k, v in tools.flatten(config.to_dict()).items() if defaults.get(k) != v and k not in resolved}
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    params = {"world model": count(agent.wm), "actor": count(agent.task_behavior.actor),
-              "critic": count(agent.task_behavior.critic)}
-    if agent.expl_behavior is not None:
-        params["exploration"] = count(agent.expl_behavior)
-    tasks = envs.parse_tasks(config.task)
-    several = len(tasks) > 1 and config.envs >= len(tasks)  # offline runs of several have no assignment
-    per_task = collections.Counter(envs.task_assignment(tasks, "train", config.envs, weights)) if several else {}
-    lines = [
-        f"Task: {config.task}" + (" (training environments per task: "
-                                  + ", ".join(str(per_task[i]) for i in range(len(tasks))) + "; action size "
-                                  f"{agent.act_size}, the widest task's)" if per_task else ""),
-        f"Device: {config.device}" + (f" ({device_note})" if device_note else ""),
-        "Compile: " + compile_note(config, resolved.get("compile")),
-        "Precision: " + models.precision_note(config),
-        "Actor: " + actor_note(config, resolved),
-        f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"
-        + (" per process" if ranks is not None and ranks.world_size > 1 else ""),
-        *([f"Processes: {ranks.describe()}; envs and batch_size are per process"]
-          if ranks is not None and ranks.world_size > 1 else []),
-        f"Logdir: {config.logdir}",
-        "Run: " + (f"resumed from frame {resumed_step}" if resumed_step is not None else "new"),
-        "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()),
-        *(storage.cost_lines(config, spec) if spec is not None else []),
-        "Changed from defaults: " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "none"),
-    ]
-    return "\n".join(lines)
-
-
-def compile_note(config, auto=None):
-    """What `compile` runs, what it gains and costs, and with `auto` (models.compile_choice's reason;
-    None when the value was asked for) why it settled so."""
-    if not config.compile:
-        return f"off (auto: {auto}; --compile True compiles)" if auto is not None else "off"
-    cpu = torch.device(config.device).type == "cpu"
-    if config.compile is True:
-        what, other = "on, step by step", "--compile update compiles the whole update"
-        gain = "on a CPU measured 1.1-1.6x faster per update after a warm-up of one to several minutes"
-    else:
-        what = "on, the whole update" + ("" if cpu else " as CUDA graphs")
-        other = "--compile True compiles step by step"
-        gain = ("on a CPU measured 1.79x faster per update (recipe2024 size1m) after a warm-up of 23 minutes, which "
-                "grows with batch_length and imag_horizon")
-    gain = gain if cpu else "the first updates include compilation"
-    reason = f"auto: {auto}; " if auto is not None else ""
-    # The one compile-failure policy (networks.CompileError): what cannot be compiled is an error.
-    return f"{what} ({reason}{gain}; {other}; --compile False turns it off; a failure to compile stops the run)"
-
-
-def actor_note(config, resolved):
-    """The actor's distribution and gradient, and whether they were chosen from the action space."""
-    auto = [key for key in ("actor.dist", "imag_gradient") if key in resolved]
-    note = f"{config.actor.dist} distribution, {config.imag_gradient} gradient"
-    return note + (f" ({' and '.join(auto)} auto: from the action space)" if auto else "")
-
-# ==================================================================================================
-# The run's flag tables: the choices of every module, ranges, and the keys free on resume
-# ==================================================================================================
-
-
-def offline(flat):
-    """Offline training and --eval_only collect nothing, so they may run with --envs 0."""
-    return bool(flat.get("offline_traindir")) or bool(flat.get("eval_only"))
-
-
-# Each module declares the choices it owns; one table is merged from them and checked once, by parse.
-RUN_CHOICES = {"prefill_policy": tuple(PREFILLS)}
-CHOICES = {**networks.CHOICES, **models.CHOICES, **exploration.CHOICES, **envs.CHOICES, **parallel.CHOICES,
-           **RUN_CHOICES}
-COUNTS = ("envs",)  # keys that take a whole number or 'auto' (settled by resources.Resources)
-
-# Numeric ranges (and patterns), checked at start-up like CHOICES: key -> (predicate(value, flat
-# config), what is valid). A key absent from a config is not checked. Each module declares the
-# ranges of the keys it reads; these are the run's own (its budget, schedules, replay and loops).
-RUN_RANGES = {
-    "steps": (tools.at_least(0), "a whole number >= 0"),
-    "seed": (lambda v, flat: isinstance(v, int) and 0 <= v < 2**31, "a whole number in [0, 2^31)"),
-    "envs": (lambda v, flat: v == "auto" or (isinstance(v, int) and v >= (0 if offline(flat) else 1)),
-             "auto or a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
-    "action_repeat": (tools.at_least(1), "a whole number >= 1"),
-    "size": (lambda v, flat: len(v) == 2 and all(isinstance(x, int) and x >= 1 for x in v),
-             "two whole numbers >= 1, e.g. 64,64"),
-    "time_limit": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
-    "prefill": (tools.at_least(0), "a whole number >= 0"),
-    "pretrain": (tools.at_least(0), "a whole number >= 0"),
-    "eval_every": (tools.at_least(0), "a whole number >= 0"),
-    "env_timeout": (tools.positive, "a number > 0 (seconds)"),
-    "save_every": (tools.at_least(0), "a number >= 0 (seconds; 0 for only at evaluations and the end)"),
-    "chunk_size": (lambda v, flat: isinstance(v, int) and v >= 0, "a whole number >= 0 (0 for whole episodes only)"),
-    "eval_episode_num": (tools.at_least(0), "a whole number >= 0"),
-    "log_every": (tools.at_least(0), "a whole number >= 0"),
-    "noops": (tools.at_least(0), "a whole number >= 0"),
-    "dataset_size": (tools.at_least(1), "a whole number >= 1"),
-    "batch_size": (tools.at_least(1), "a whole number >= 1"),
-    "batch_length": (tools.at_least(1), "a whole number >= 1"),
-    "train_ratio": (tools.positive, "a number > 0"),
-    # Below one update of tolerance the learner and the actor can wait on each other for ever.
-    "ratio_tolerance": (tools.at_least(1), "a number >= 1 (updates)"),
-    "actor_sync_every": (tools.at_least(1), "a whole number >= 1"),
-    "asynchronous": (lambda v, flat: not (v and flat.get("offline_traindir") and not flat.get("eval_only")),
-                     "False with --offline_traindir (no environments for an actor to act in)"),
-}
-RANGES = {**networks.RANGES, **models.RANGES, **exploration.RANGES, **RUN_RANGES}
-
-
-# Keys that may differ between a run and its resumption without a warning: the run's own (its
-# budget, schedules, device and loop), and those each module declares beside its readers.
-RUN_FREE_ON_RESUME = ("steps", "eval_every", "log_every", "eval_episode_num", "eval_only", "device", "logdir",
-                      "replay_device", "video_pred_log", "asynchronous", "actor_sync_every", "ratio_tolerance",
-                      "save_every", "chunk_size")
-FREE_ON_RESUME = (*RUN_FREE_ON_RESUME, *parallel.FREE_ON_RESUME, *models.FREE_ON_RESUME, *logs.FREE_ON_RESUME)
-
-
-def parse(argv, presets=None):
-    """Command line -> the run's Config, every value checked against CHOICES and RANGES (tools.parse)."""
-    return tools.parse(argv, CHOICES, RANGES, COUNTS, presets)
 
 
 if __name__ == "__main__":

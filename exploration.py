@@ -13,7 +13,6 @@ import distributions
 import launch
 import models
 import networks
-import tools
 
 
 class Random(nn.Module):
@@ -84,17 +83,9 @@ class Plan2Explore(nn.Module):
         super().__init__()
         self.config = config
         self.wm = [world_model]  # a list keeps the world model out of this module's parameters
-        if config.disag_models < 2:
-            raise tools.ConfigError(f"Invalid value '{config.disag_models}' for --disag_models: disagreement needs "
-                                    "at least 2 members")
-        if not 0 <= config.disag_offset < config.batch_length:
-            raise tools.ConfigError(f"Invalid value '{config.disag_offset}' for --disag_offset: it must lie in "
-                                    "[0, batch_length)")
         rssm = world_model.rssm
         stoch = rssm.stoch * rssm.discrete if rssm.discrete else rssm.stoch
         sizes = {"stoch": stoch, "deter": rssm.deter, "embed": world_model.encoder.outdim, "feat": rssm.feat_size}
-        if config.disag_target not in sizes:
-            raise ValueError(f"disag_target '{config.disag_target}' has no target; valid: {', '.join(self.TARGETS)}")
         self.target_size = sizes[config.disag_target]
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
@@ -121,9 +112,7 @@ class Plan2Explore(nn.Module):
         feat = self.wm[0].rssm.get_feat(post)
         if name == "feat":
             return feat
-        if name == "stoch":
-            return feat[..., :self.target_size]  # get_feat puts stoch first
-        raise ValueError(f"disag_target '{name}' has no target; valid: {', '.join(self.TARGETS)}")
+        return feat[..., :self.target_size]  # stoch: get_feat puts it first
 
     def disagreement(self, inputs):  # (..., inp) -> (...)
         """Variance across members (unbiased, 1/(K-1) as in the paper), averaged over dimensions.
@@ -199,32 +188,17 @@ class Plan2Explore(nn.Module):
         return metrics
 
 
+# expl_behavior -> its behaviour, built from (config, world_model, act_space); greedy has none:
+# the task actor-critic collects.
+BEHAVIORS = {"greedy": lambda config, world_model, act_space: None,
+             "random": lambda config, world_model, act_space: Random(config, act_space),
+             "plan2explore": lambda config, world_model, act_space: Plan2Explore(config, world_model, act_space)}
+
+
 def make_behavior(config, world_model, act_space):
     """The exploration behaviour `expl_behavior` names: None for greedy (the task actor-critic
     collects), else the Random or Plan2Explore module."""
-    if config.expl_behavior == "greedy":
-        return None
-    if config.expl_behavior == "random":
-        return Random(config, act_space)
-    if config.expl_behavior == "plan2explore":
-        return Plan2Explore(config, world_model, act_space)
-    raise ValueError(f"expl_behavior '{config.expl_behavior}' has no behaviour; valid: "
-                     + ", ".join(CHOICES["expl_behavior"]))
+    return BEHAVIORS[config.expl_behavior](config, world_model, act_space)
 
 
 COMPILED = (Ensemble,)  # compiled like networks.COMPILED when compile is on
-
-# The choices this module owns, checked once when the config is parsed.
-CHOICES = {
-    "expl_behavior": ("greedy", "random", "plan2explore"),
-    "disag_target": tuple(Plan2Explore.TARGETS),
-}
-
-# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
-# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
-RANGES = {
-    "expl_until": (tools.at_least(0), "a whole number >= 0"),
-    "disag_models": (tools.at_least(1), "a whole number >= 1"),
-    "disag_units": (tools.at_least(1), "a whole number >= 1"),
-    "disag_offset": (tools.at_least(0), "a whole number >= 0"),
-}

@@ -264,10 +264,6 @@ class WandbOutput:
 # --logger names -> back ends; tools.check_loggers validates a list of them.
 LOGGERS = {"tensorboard": TensorBoardOutput, "jsonl": JsonlOutput, "csv": CsvOutput, "wandb": WandbOutput}
 
-# Keys this module reads that may differ between a run and its resumption without a warning
-# (dreamer.FREE_ON_RESUME): where the metrics go, not what they are.
-FREE_ON_RESUME = ("logger", "wandb.project", "wandb.entity", "wandb.group", "wandb.name", "wandb.tags")
-
 
 def check_loggers(names):
     """Raise ConfigError, in one line, for a --logger list that names an unknown back end, names

@@ -488,11 +488,6 @@ class ActorCritic(nn.Module):
 # 4. The update: the whole loss in the official order, and the optimizers the update mode steps
 # ==================================================================================================
 
-# The world model's optimizer settings, and the actor's and critic's, by the optimizer that reads them.
-OPTIMIZER_KEYS = {"model": ("model_lr", "opt_eps", "grad_clip"), "actor": ("actor.lr", "actor.eps", "actor.grad_clip"),
-                  "critic": ("critic.lr", "critic.eps", "critic.grad_clip")}
-
-
 def behavior_optimizers(config, behavior):
     """An actor's and a critic's optimizers ({name: (Optimizer, its terms)}), with their own
     settings (actor.lr, actor.eps, actor.grad_clip and the critic's), each stepping its terms of
@@ -540,11 +535,14 @@ def ignored_keys(config):
     if config.update != "joint" or config.expl_behavior == "plan2explore":
         return []
     flat = tools.flatten(config.to_dict())
-    ignored = [f"--{key} {flat[key]:g}" for name in ("actor", "critic")
-               for key, model_key in zip(OPTIMIZER_KEYS[name], OPTIMIZER_KEYS["model"]) if flat[key] != flat[model_key]]
+    # The settings the optimizers are built with (sequential_optimizers, behavior_optimizers): the
+    # world model's key of each, and the actor's and critic's, named `<group>.<setting>`.
+    settings = {"lr": "model_lr", "eps": "opt_eps", "grad_clip": "grad_clip"}
+    ignored = [f"--{name}.{setting} {flat[f'{name}.{setting}']:g}" for name in ("actor", "critic")
+               for setting, model_key in settings.items() if flat[f"{name}.{setting}"] != flat[model_key]]
     if not ignored:
         return []
-    model = ", ".join(f"--{key} {flat[key]:g}" for key in OPTIMIZER_KEYS["model"])
+    model = ", ".join(f"--{key} {flat[key]:g}" for key in settings.values())
     return [f"{', '.join(ignored)} ignored: under --update joint one optimizer steps the world model, actor and "
             f"critic with {model}; use --update sequential for an optimizer per network"]
 
@@ -1062,62 +1060,8 @@ COMPILERS = {True: compile_steps, False: None, "update": compile_update}
 
 
 # ==================================================================================================
-# Choices and their `auto` values
+# The `auto` values
 # ==================================================================================================
-
-# Keys this module reads that may differ between a run and its resumption without a warning
-# (dreamer.FREE_ON_RESUME): compiling computes the same update.
-FREE_ON_RESUME = ("compile",)
-
-# The choices this module owns, checked once when the config is parsed (tools.parse).
-CHOICES = {
-    "precision": PRECISIONS,
-    "opt": tuple(OPTIMIZERS),
-    "update": tuple(UPDATES),
-    "compile": ("auto", *COMPILERS),
-    "imag_gradient": ("auto", "dynamics", "reinforce", "both"),
-    "critic.dist": VALUE_DISTS,
-    "reward_head.dist": VALUE_DISTS,
-}
-
-
-def learning_rate(v, flat):
-    """Every optimizer is adaptive (OPTIMIZERS), so an update moves each weight by about the learning
-    rate: above 1 the weights overflow within a few updates."""
-    return 0 < v <= 1
-
-
-# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
-# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
-RANGES = {
-    "replay_context": (tools.at_least(0), "a whole number >= 0 (0 for none)"),
-    "model_lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "opt_eps": (tools.positive, "a number > 0"),
-    "actor.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "actor.eps": (tools.positive, "a number > 0"),
-    "critic.lr": (learning_rate, "a number in (0, 1] (a step size of adaptive optimizers)"),
-    "critic.eps": (tools.positive, "a number > 0"),
-    "weight_decay": (tools.at_least(0), "a number >= 0"),
-    "grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
-    "actor.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
-    "critic.grad_clip": (tools.at_least(0), "a number >= 0 (0 for none)"),
-    "agc": (tools.at_least(0), "a number >= 0 (0 for none)"),
-    "warmup": (tools.at_least(0), "a whole number >= 0"),
-    "critic.repval": (tools.at_least(0), "a number >= 0"),
-    "discount": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
-    "discount_lambda": (tools.fraction, "a number in [0, 1]"),
-    "imag_horizon": (tools.at_least(1), "a whole number >= 1"),
-    "imag_gradient_mix": (tools.fraction, "a number in [0, 1]"),
-    "kl_free": (tools.at_least(0), "a number >= 0"),
-    "dyn_scale": (tools.at_least(0), "a number >= 0"),
-    "rep_scale": (tools.at_least(0), "a number >= 0"),
-    "critic.slow_target_update": (tools.at_least(1), "a whole number >= 1"),
-    "critic.slow_target_fraction": (lambda v, flat: 0 < v <= 1, "a number in (0, 1]"),
-    "actor.entropy": (tools.at_least(0), "a number >= 0"),
-    "reward_head.loss_scale": (tools.at_least(0), "a number >= 0"),
-    "cont_head.loss_scale": (tools.at_least(0), "a number >= 0"),
-}
-
 
 # -- compile auto: whether compiling pays for the run at hand ----------------------------------------
 #

@@ -93,8 +93,6 @@ def reinit(module, winit):
     weights (and the random stream) untouched."""
     if winit == "fan_avg":
         return module
-    if winit != "fan_in":
-        raise ValueError(f"winit '{winit}' has no rule; valid: {', '.join(WINITS)}")
     for m in module.modules():
         if hasattr(m, "init_scale"):
             init_(m, m.init_scale, fan="in")
@@ -510,12 +508,10 @@ class MultiDecoder(nn.Module):
             if config.cnn == "transposed":
                 self.cnn = ConvDecoder(feat_size, (height, width, channels), config.cnn_depth, config.kernel_size,
                                        config.minres, config.act, config.norm, config.outscale, config.cnn_sigmoid)
-            elif config.cnn == "upsample":  # needs deter apart from the stochastic state: feat is [stoch, deter]
+            else:  # upsample: needs deter apart from the stochastic state, feat is [stoch, deter]
                 self.cnn = UpsampleConvDecoder(feat_size - deter_size, deter_size, (height, width, channels),
                                                config.cnn_depth, config.kernel_size, config.minres, config.act,
                                                config.norm, config.outscale, config.mlp_units, config.cnn_sigmoid)
-            else:
-                raise ValueError(f"decoder.cnn '{config.cnn}' has no decoder; valid: transposed, upsample")
         if self.mlp_shapes:  # one MLP for all vector keys, then an output layer per key
             self.sizes = [int(np.prod(s)) for s in self.mlp_shapes.values()]
             self.mlp = MLP(feat_size, config.mlp_layers, config.mlp_units, config.act, config.norm)
@@ -627,21 +623,15 @@ class RSSM(nn.Module):
         self.stoch, self.discrete, self.deter = config.dyn_stoch, config.dyn_discrete, config.dyn_deter
         self.unimix, self.rec_depth = config.unimix_ratio, config.dyn_rec_depth
         self.mean_act, self.std_act, self.min_std = config.dyn_mean_act, config.dyn_std_act, config.dyn_min_std
-        if self.mean_act not in MEAN_ACTS:
-            raise ValueError(f"dyn_mean_act '{self.mean_act}' has no bound; valid: {', '.join(MEAN_ACTS)}")
         self.initial_mode = config.initial
         stoch_flat = self.stoch * self.discrete if self.discrete else self.stoch
         hidden, act, norm = config.dyn_hidden, config.act, config.norm
         if config.dyn_cell == "gru":
             self.img_in = init_(nn.Sequential(*dense(stoch_flat + action_size, hidden, act, norm)))
             self.cell = GRUCell(hidden, self.deter, norm)
-        elif config.dyn_cell == "blockgru":  # the block GRU embeds deter, stoch and action itself
+        else:  # blockgru: the block GRU embeds deter, stoch and action itself
             self.img_in = nn.Identity()
             self.cell = BlockGRUCell(stoch_flat, action_size, hidden, self.deter, config.dyn_blocks, act, norm)
-        else:
-            raise ValueError(f"dyn_cell '{config.dyn_cell}' has no cell; valid: gru, blockgru")
-        if config.initial not in ("learned", "zeros"):
-            raise ValueError(f"initial '{config.initial}' has no initial state; valid: learned, zeros")
         img_layers = [dense(self.deter if i == 0 else hidden, hidden, act, norm) for i in range(config.dyn_img_layers)]
         self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
@@ -660,7 +650,7 @@ class RSSM(nn.Module):
             logit = x.reshape(*x.shape[:-1], self.stoch, self.discrete)
             return {"logit": distributions.unimix_logits(logit, self.unimix)}
         mean, std = x.chunk(2, -1)
-        if self.mean_act == "tanh5":  # else "none" (checked at construction)
+        if self.mean_act == "tanh5":  # else "none", the only other choice (config.SCHEMA)
             mean = 5.0 * torch.tanh(mean / 5.0)
         std = STD_ACTS[self.std_act](std)
         return {"mean": mean, "std": std + self.min_std}
@@ -775,57 +765,6 @@ IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encode
 VECTOR_DISTS = {"symlog_mse": distributions.SymlogMSE, "mse": distributions.MSE}  # decoder.vector_dist
 ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
-# The choices this module owns, checked once when the config is parsed (tools.parse); the
-# constructors take them on trust.
-CHOICES = {
-    "act": tuple(ACTIVATIONS),
-    "encoder.act": tuple(ACTIVATIONS),
-    "decoder.act": tuple(ACTIVATIONS),
-    "norm": NORMS,
-    "encoder.norm": NORMS,
-    "decoder.norm": NORMS,
-    "winit": WINITS,
-    "initial": ("learned", "zeros"),
-    "dyn_cell": ("gru", "blockgru"),
-    "dyn_mean_act": MEAN_ACTS,
-    "dyn_std_act": tuple(STD_ACTS),
-    "encoder.cnn": tuple(IMAGE_ENCODERS),
-    "decoder.cnn": ("transposed", "upsample"),
-    "decoder.vector_dist": tuple(VECTOR_DISTS),
-    "actor.dist": ("auto", *ACTOR_DISTS),  # auto: settled by models.resolve_auto
-}
-
 # The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
-
-# The ranges of the keys this module reads, checked with CHOICES when the config is parsed
-# (key -> (predicate(value, flat config), what is valid); see dreamer.RANGES).
-RANGES = {
-    "dyn_img_layers": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_blocks": (lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru" or flat.get("dyn_deter", v) % v == 0),
-                   "a whole number >= 1 that divides --dyn_deter"),
-    "unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "actor.unimix_ratio": (lambda v, flat: 0 <= v < 1, "a number in [0, 1)"),
-    "dyn_hidden": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_deter": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_stoch": (tools.at_least(1), "a whole number >= 1"),
-    "dyn_discrete": (tools.at_least(0), "a whole number >= 0 (0 for Gaussian latents)"),
-    "dyn_rec_depth": (tools.at_least(1), "a whole number >= 1"),
-    "units": (tools.at_least(1), "a whole number >= 1"),
-    "actor.min_std": (tools.positive, "a number > 0"),
-    "actor.absmax": (tools.at_least(0), "a number >= 0 (0 for unbounded samples)"),
-    "actor.max_std": (lambda v, flat: v >= flat.get("actor.min_std", 0), "a number >= --actor.min_std"),
-    "dyn_min_std": (tools.at_least(0), "a number >= 0"),
-    "encoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.cnn_depth": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.minres": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.minres": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
-    "decoder.mlp_units": (tools.at_least(1), "a whole number >= 1"),
-    "encoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "encoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.mlp_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-    "decoder.cnn_keys": (lambda v, flat: tools.valid_regex(v), "a regular expression"),
-}
-
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

@@ -683,12 +683,3 @@ def run_episodes(agent, env_list, count, directory):
     return [episode for episodes in finished.values() for episode in episodes[:count]]
 
 
-# Keys this module reads that may differ between a run and its resumption without a warning
-# (dreamer.FREE_ON_RESUME): where and how the environments run, not what they are.
-FREE_ON_RESUME = ("parallel", "env_failure", "env_timeout")
-
-# The choices this module owns, checked once when the config is parsed.
-CHOICES = {
-    "env_failure": ("restart", "stop"),
-    "parallel": ("auto", True, False),  # auto: settled by Resources
-}

@@ -129,15 +129,6 @@ def atomic_write_bytes(path, data):
         raise
 
 
-def save_config(config, path):
-    """The run's config as the logdir's config.yaml (tools.compare_saved_config reads it back)."""
-    from ruamel.yaml import YAML
-
-    buffer = io.StringIO()
-    YAML(typ="safe", pure=True).dump(config.to_dict(), buffer)
-    atomic_write_bytes(path, buffer.getvalue().encode())
-
-
 # ==================================================================================================
 # Episode files: whole, and in chunks while an episode runs
 # ==================================================================================================

@@ -26,11 +26,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dreamer  # noqa: E402
+import config as cfg  # noqa: E402
 
 
 def run(processes, threads, flags):
-    config = dreamer.parse(flags)
+    config = cfg.parse(flags)
     with tempfile.TemporaryDirectory() as logdir:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(processes), str(ROOT / "dreamer.py"), *flags, "--logdir", logdir]

@@ -31,6 +31,7 @@ elif str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import exploration  # noqa: E402
@@ -44,8 +45,8 @@ SETUPS = [("envs 1", 1, False, True), ("envs 1 --parallel", 1, True, True), ("en
 
 
 def parse_config(task, preset, count, use_parallel):
-    return dreamer.parse(["--configs", preset, "--task", task, "--device", "cpu", "--compile", "False",
-                          "--envs", str(count), "--parallel", str(use_parallel)])
+    return cfg.parse(["--configs", preset, "--task", task, "--device", "cpu", "--compile", "False",
+                      "--envs", str(count), "--parallel", str(use_parallel)])
 
 
 def build_envs(config, shared):

@@ -359,11 +359,11 @@ def parse_args(argv):
 def steps_of(flags):
     """The frames each run trains for, as dreamer.py settles them (presets and --steps)."""
     sys.path.insert(0, str(ROOT))
-    import dreamer
+    import config as cfg
     import tools
 
     try:
-        return float(dreamer.parse([*flags, "--task", "dmc_cartpole_balance"]).steps)
+        return float(cfg.parse([*flags, "--task", "dmc_cartpole_balance"]).steps)
     except tools.ConfigError as e:
         raise RunnerError(f"the flags after --: {e}") from None
 

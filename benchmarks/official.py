@@ -48,7 +48,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dreamer  # noqa: E402
+import config as cfg  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
@@ -84,9 +84,9 @@ TRANSLATED = ("task", "seed", "steps", "train_ratio", "batch_size", "batch_lengt
               "dataset_size",
               "model_lr", "warmup", "agc", "opt_eps", "actor.lr", "critic.lr", "actor.eps", "critic.eps")
 # Keys that change nothing the official run computes: where and how often the project logs, evaluates and
-# saves, and its own machinery (dreamer.FREE_ON_RESUME, but the asynchronous loop, which the official
-# train script does not have).
-NO_EFFECT = tuple(key for key in dreamer.FREE_ON_RESUME if key not in ("asynchronous", "eval_only"))
+# saves, and its own machinery (the keys config.SCHEMA marks free on resume, but the asynchronous loop,
+# which the official train script does not have).
+NO_EFFECT = tuple(key for key, row in cfg.SCHEMA.items() if row.free and key not in ("asynchronous", "eval_only"))
 
 
 class OfficialError(ValueError):
@@ -96,7 +96,7 @@ class OfficialError(ValueError):
 def settle(argv):
     """(project Config, suite preset, size preset) of a dreamer.py command line."""
     try:
-        config = dreamer.parse(argv)
+        config = cfg.parse(argv)
     except tools.ConfigError as e:
         raise OfficialError(str(e)) from None
     names = []
@@ -122,7 +122,7 @@ def settle(argv):
         raise OfficialError(f"--task {config.task}: the wrapper runs one DMC task (dmc_<domain>_<task>)")
     # Every other setting must be the presets' own: a change the official flags cannot carry would make the
     # two codes run different settings without a word.
-    presets = tools.flatten(dreamer.parse(["--configs", *names]).to_dict())
+    presets = tools.flatten(cfg.parse(["--configs", *names]).to_dict())
     settled = tools.flatten(config.to_dict())
     untranslated = sorted(key for key, value in settled.items()
                           if value != presets.get(key) and key not in TRANSLATED and key not in NO_EFFECT)

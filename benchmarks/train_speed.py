@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import launch  # noqa: E402
@@ -125,7 +126,7 @@ def compare(args, config, env, replay, length):
 
     torch._inductor.config.cpp.enable_kernel_profile = True  # fused kernels show up in the profile
     sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
-    settings = [(dreamer.parse(["--compile", mode]).compile, dreamer.parse(["--precision", precision]).precision)
+    settings = [(cfg.parse(["--compile", mode]).compile, cfg.parse(["--precision", precision]).precision)
                 for mode in args.compile_modes.split(",") for precision in args.precisions.split(",")]
     agents, warmups = {}, {}
     for setting in settings:
@@ -190,13 +191,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     args, rest = parser.parse_known_args(argv)
     try:
-        config, _ = launch.resolve_device(dreamer.parse(rest))
+        config, _ = launch.resolve_device(cfg.parse(rest))
         for precision in args.precisions.split(",") if args.compare else ():
-            dreamer.parse([*rest, "--precision", precision])
+            cfg.parse([*rest, "--precision", precision])
         for mode in args.compile_modes.split(",") if args.compare else ():
-            dreamer.parse([*rest, "--compile", mode])
+            cfg.parse([*rest, "--compile", mode])
     except tools.ConfigError as e:
-        dreamer.fail(str(e))
+        cfg.fail(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     launch.seed_everything(config.seed, False)

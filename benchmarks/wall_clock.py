@@ -66,9 +66,9 @@ def run(task, frames, mode, setup, extra, root, threads=None):
 
 def preset_values(flags):
     sys.path.insert(0, str(ROOT))
-    import dreamer
+    import config as cfg
 
-    config = dreamer.parse(flags)
+    config = cfg.parse(flags)
     return {"batch_length": config.batch_length, "batch_size": config.batch_size,
             "action_repeat": config.action_repeat, "train_ratio": config.train_ratio}
 

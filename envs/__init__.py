@@ -185,11 +185,3 @@ def common_spaces(tasks, obs_spaces, act_spaces, used, noops=None):
         low[:size] = np.minimum(low[:size], space.low)
         high[:size] = np.maximum(high[:size], space.high)
     return obs_space, gymnasium.spaces.Box(low, high, dtype=np.float32)
-
-
-# The choices the suites own, checked once when the config is parsed.
-CHOICES = {
-    "lives": ("unused", "discount", "reset"),  # atari
-    "resize": ("opencv", "pillow"),  # atari
-    "actions": ("all", "needed"),  # atari
-}

@@ -124,10 +124,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def spaces():
     """Observation and action spaces of the debug task, taken as dreamer.main takes them."""
-    import dreamer
+    import config as cfg
     import envs
 
-    env = envs.make_env(dreamer.parse(["--configs", "debug"]), "train", 0)
+    env = envs.make_env(cfg.parse(["--configs", "debug"]), "train", 0)
     try:
         return env.obs_space, env.act_space
     finally:

@@ -16,18 +16,17 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import distributions  # noqa: E402
-import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
-import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 FLAGS = ("is_first", "is_last", "is_terminal")
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def obs_space():

@@ -76,7 +76,7 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
     run (printed by GPU_CHECK_PRINT_ONLY) names existing files, flags and config keys."""
     import shlex
 
-    import dreamer
+    import config as cfg
 
     script = ROOT / "benchmarks" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
@@ -109,7 +109,7 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
         else:
             assert words[1] == "dreamer.py"
             kinds.add("train")
-        config = dreamer.parse(args)
+        config = cfg.parse(args)
         assert config.device == "cuda" and config.compile in (True, False, "update")
         assert config.precision in (16, 32, "bf16")
     assert kinds == {"tests", "train", "speed"}
@@ -118,7 +118,7 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
 def test_gpu_learning_check_trains_at_the_reference_setting_and_plots_against_it():
     import shlex
 
-    import dreamer
+    import config as cfg
     import tools
 
     script = ROOT / "benchmarks" / "gpu_learning_check.sh"
@@ -127,7 +127,7 @@ def test_gpu_learning_check_trains_at_the_reference_setting_and_plots_against_it
                          env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
     assert out.returncode == 0, out.stderr
     train, plot = [shlex.split(line) for line in out.stdout.strip().splitlines()]
-    config = dreamer.parse(train[2:])
+    config = cfg.parse(train[2:])
     # The reference curve's setting: recipe2024 size1m, train ratio 512, action repeat 2, 40K frames.
     assert (config.task, config.train_ratio, config.action_repeat, config.steps) == ("dmc_cartpole_balance", 512,
                                                                                       2, 40000)
@@ -155,17 +155,16 @@ def test_auto_benchmark_commands_parse_and_its_rate_skips_the_start_up():
     frames per second are counted over the log intervals after the first."""
     import importlib.util
 
-    import dreamer
-    import tools
+    import config as cfg
 
     spec = importlib.util.spec_from_file_location("bench_auto", ROOT / "benchmarks" / "auto.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    presets = tools.load_presets()
+    presets = cfg.load_presets()
     for task in bench.TASKS:
         for envs, parallel in bench.SETTINGS:
             words = bench.command(task, envs, parallel, "/tmp/x")
-            config = dreamer.parse(words[2:], presets=presets)
+            config = cfg.parse(words[2:], presets=presets)
             assert (str(config.envs), str(config.parallel)) == (envs, parallel)
             assert (config.train_ratio, config.dyn_deter, config.steps) == (512, 32, 1000000)
     # 100 frames at 10/s and 100 at 50/s after a first (start-up) interval: 200 frames in 12 s.

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import config as cfg
 import dreamer
 import launch
 import tools
@@ -28,17 +29,17 @@ def run_cli(*args, cwd=None):
 
 
 def test_presets_merge_in_order_and_key_by_key():
-    config = dreamer.parse(["--configs", "first", "second"], PRESETS)
+    config = cfg.parse(["--configs", "first", "second"], PRESETS)
     assert config.steps == 30  # later preset wins
     assert config.group.depth == 48  # nested groups merge key by key
     assert config.group.keys == "$^"
     assert config.group.act == "SiLU"
-    assert dreamer.parse(["--configs", "second", "first"], PRESETS).steps == 20
+    assert cfg.parse(["--configs", "second", "first"], PRESETS).steps == 20
 
 
 def test_overrides_follow_presets_and_parse_types():
-    config = dreamer.parse(["--configs", "first", "--steps", "1e6", "--lr", "3e-5", "--group.depth", "96",
-                            "--size", "32,48", "--name", "b"], PRESETS)
+    config = cfg.parse(["--configs", "first", "--steps", "1e6", "--lr", "3e-5", "--group.depth", "96",
+                        "--size", "32,48", "--name", "b"], PRESETS)
     assert config.steps == 1_000_000 and isinstance(config.steps, int)
     assert config.lr == pytest.approx(3e-5)
     assert config.group.depth == 96
@@ -52,7 +53,7 @@ def test_overrides_follow_presets_and_parse_types():
     (["--flag", "--steps", "5"], True), (["--flag=false"], False),
 ])
 def test_boolean_forms(args, expected):
-    assert dreamer.parse(args, PRESETS).flag is expected
+    assert cfg.parse(args, PRESETS).flag is expected
 
 
 @pytest.mark.parametrize("args, message", [
@@ -65,32 +66,32 @@ def test_boolean_forms(args, expected):
 ])
 def test_config_errors_name_the_problem(args, message):
     with pytest.raises(tools.ConfigError) as error:
-        dreamer.parse(args, PRESETS)
+        cfg.parse(args, PRESETS)
     assert message in str(error.value)
 
 
 def test_real_presets_and_verbatim_commands_parse():
-    config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--envs", "4", "--parallel",
-                            "--logdir", "./logdir/dmc_walker_walk_parallel"])
+    config = cfg.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--envs", "4", "--parallel",
+                        "--logdir", "./logdir/dmc_walker_walk_parallel"])
     assert (config.envs, config.parallel, config.steps, config.encoder.cnn_keys) == (4, True, 1_000_000, "image")
-    config = dreamer.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--logdir",
-                            "./logdir/dmc_walker_walk"])
+    config = cfg.parse(["--configs", "dmc_vision", "--task", "dmc_walker_walk", "--logdir",
+                        "./logdir/dmc_walker_walk"])
     assert config.parallel is False and config.device == "auto" and config.compile == "auto"
-    config = dreamer.parse(["--configs", "dmc_proprio", "--actor.lr", "1e-4", "--encoder.cnn_depth", "48"])
+    config = cfg.parse(["--configs", "dmc_proprio", "--actor.lr", "1e-4", "--encoder.cnn_depth", "48"])
     assert config.actor.lr == pytest.approx(1e-4) and config.encoder.cnn_depth == 48
     assert config.encoder.mlp_keys == ".*" and config.steps == 500_000
 
 
 def test_every_preset_parses():
-    for name in tools.load_presets():
-        dreamer.parse(["--configs", name])
+    for name in cfg.load_presets():
+        cfg.parse(["--configs", name])
 
 
 def test_choice_keys_list_valid_values():
     with pytest.raises(tools.ConfigError, match="valid: auto, dynamics, reinforce, both"):
-        dreamer.parse(["--imag_gradient", "magic"])
+        cfg.parse(["--imag_gradient", "magic"])
     with pytest.raises(tools.ConfigError, match="valid: 16, 32"):
-        dreamer.parse(["--precision", "8"])
+        cfg.parse(["--precision", "8"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -171,8 +172,8 @@ def test_an_explicit_cuda_that_cannot_be_used_stops_with_torchs_reason(monkeypat
 def test_a_gpu_index_past_the_last_is_an_error(monkeypatch):
     stand_in_cuda(monkeypatch, "13.0", None, 2)
     with pytest.raises(tools.ConfigError, match=r"there is no GPU 2: this machine has 2 \(cuda:0 to cuda:1\)"):
-        launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:2"]))
-    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cuda:1"]))
+        launch.resolve_device(cfg.parse(["--configs", "debug", "--device", "cuda:2"]))
+    config, note = launch.resolve_device(cfg.parse(["--configs", "debug", "--device", "cuda:1"]))
     assert config.device == "cuda:1" and note is None
 
 
@@ -180,17 +181,17 @@ def test_a_gpu_index_past_the_last_is_an_error(monkeypatch):
 def test_auto_falls_back_to_the_cpu_and_says_why(monkeypatch, case):
     built, raises, count, reason, _ = UNUSABLE[case]
     stand_in_cuda(monkeypatch, built, raises, count)
-    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    config, note = launch.resolve_device(cfg.parse(["--configs", "debug", "--device", "auto"]))
     assert config.device == "cpu" and note.startswith("auto: no usable GPU, so the CPU: ")
     assert reason.rstrip(";").removesuffix("; torch") in note, note
 
 
 def test_auto_is_the_default_and_takes_a_usable_gpu(monkeypatch):
-    assert dreamer.parse([]).device == "auto"
+    assert cfg.parse([]).device == "auto"
     stand_in_cuda(monkeypatch, "13.0", None, 1)
-    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "auto"]))
+    config, note = launch.resolve_device(cfg.parse(["--configs", "debug", "--device", "auto"]))
     assert config.device == "cuda:0" and note == "auto: CUDA is usable (Stand-in GPU)"
-    config, note = launch.resolve_device(dreamer.parse(["--configs", "debug", "--device", "cpu"]))
+    config, note = launch.resolve_device(cfg.parse(["--configs", "debug", "--device", "cpu"]))
     assert config.device == "cpu" and note is None
 
 

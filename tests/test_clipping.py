@@ -14,18 +14,19 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 AGC = 0.3
 
 
 def make_agent(spaces):
-    config = dreamer.parse(["--configs", "debug", "recipe2024", "--device", "cpu"], presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(["--configs", "debug", "recipe2024", "--device", "cpu"], presets=copy.deepcopy(PRESETS))
     torch.manual_seed(0)
     return dreamer.Dreamer(*spaces, config)
 

@@ -15,6 +15,7 @@ import torch
 import torch._dynamo.convert_frame as convert_frame
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+import config as cfg
 import dreamer
 import envs
 import exploration
@@ -28,7 +29,7 @@ IMAGE_ONLY = ("--encoder.mlp_keys", "$^", "--encoder.cnn_keys", "image", "--deco
 
 
 def make_agent_and_batch(compile_, *flags):
-    config = dreamer.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *IMAGE_ONLY, *flags])
+    config = cfg.parse(["--configs", "debug", "--device", DEVICE, "--compile", str(compile_), *IMAGE_ONLY, *flags])
     env = envs.make_env(config, "train", 0)
     replay = storage.Replay(1000, 1, seed=0)
     obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
@@ -241,13 +242,13 @@ def test_a_step_that_cannot_be_compiled_is_an_error_naming_it_never_an_eager_fal
 def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
     import models
 
-    config = dreamer.parse(["--configs", "debug", "--precision", "16"])
+    config = cfg.parse(["--configs", "debug", "--precision", "16"])
     with models.autocast(config):
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
     assert not models.use_scaler(config)
-    assert models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
-    assert not models.use_scaler(dreamer.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
+    assert models.use_scaler(cfg.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
+    assert not models.use_scaler(cfg.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
     agent, batch = make_agent_and_batch(False, "--precision", "16")  # on DEVICE: float16 and scaling on CUDA
     assert agent.optimizers()["model"].scaler.is_enabled() is (torch.device(DEVICE).type == "cuda")
     metrics, _ = agent.update.train_step(batch)
@@ -319,9 +320,9 @@ COMPILED_INSIDE = {
 ])
 def test_every_network_a_preset_builds_is_compiled(flags):
     if flags[:1] == ["--configs"]:
-        config = dreamer.parse([*flags, "--device", "cpu", "--compile", "True"])
+        config = cfg.parse([*flags, "--device", "cpu", "--compile", "True"])
     else:
-        config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--compile", "True", *flags])
+        config = cfg.parse(["--configs", "debug", "--device", "cpu", "--compile", "True", *flags])
     env = envs.make_env(config, "train", 0)
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
     ours = {networks.__name__, exploration.__name__}

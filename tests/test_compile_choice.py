@@ -10,16 +10,17 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 COUNTS = {"world_model": 1000, "rssm": 500, "actor": 100, "critic": 200}  # stand-in parameter counts
 
 
 def make_config(*flags, configs=("debug",)):
-    return dreamer.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def test_update_flops_and_predicted_updates_by_hand():
@@ -75,13 +76,13 @@ def test_parameter_counts_match_the_built_model_and_draw_no_random_numbers(space
 def test_compile_auto_stays_eager_for_the_debug_preset_and_compiles_a_long_cpu_run(spaces):
     short, notes = models.resolve_auto(make_config("--compile", "auto"), spaces[1], spaces[0])
     assert "compile" in notes and short.compile is False
-    assert dreamer.compile_note(short, notes["compile"]).startswith("off (auto: on a CPU: ")
+    assert cfg.compile_note(short, notes["compile"]).startswith("off (auto: on a CPU: ")
     # The debug model at the measured batch for a million frames: ~10^5 updates of ~1e9 FLOPs each.
     long = make_config("--compile", "auto", "--steps", "1000000", "--train_ratio", "512", "--batch_size", "16",
                        "--batch_length", "64")
     long, notes = models.resolve_auto(long, spaces[1], spaces[0])
     assert long.compile is True and "more than the ~370 s warm-up" in notes["compile"]
-    assert dreamer.compile_note(long, notes["compile"]).endswith(
+    assert cfg.compile_note(long, notes["compile"]).endswith(
         "; --compile False turns it off; a failure to compile stops the run)")
     # Without the observation space the model is unknown: eager on a CPU.
     unknown, notes = models.resolve_auto(make_config("--compile", "auto", "--steps", "1000000"), spaces[1])

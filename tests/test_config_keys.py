@@ -20,6 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
@@ -28,7 +29,7 @@ import storage  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 PROPRIO = ["--encoder.mlp_keys", ".*", "--encoder.cnn_keys", "$^", "--decoder.mlp_keys", ".*",
            "--decoder.cnn_keys", "$^"]
 
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def make_agent(spaces, *flags, seed=0):
@@ -377,7 +378,7 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
     want = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
     assert (config.actor.dist, config.imag_gradient) == want
     assert agent.task_behavior.actor.kind == want[0] and {"actor.dist", "imag_gradient"} <= set(agent.resolved)
-    assert dreamer.actor_note(config, agent.resolved) == (
+    assert cfg.actor_note(config, agent.resolved) == (
         f"{want[0]} distribution, {want[1]} gradient (actor.dist and imag_gradient auto: from the action space)")
     # Behaviour: REINFORCE rollouts record no graph through the dynamics; dynamics rollouts do.
     start = {k: v.detach() for k, v in agent.wm.rssm.initial(3).items()}
@@ -387,7 +388,7 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
     other = "dynamics" if discrete else "reinforce"
     agent, config = make_agent((obs_space, act_space), "--imag_gradient", other)
     assert config.imag_gradient == other and "imag_gradient" not in agent.resolved
-    assert dreamer.actor_note(config, agent.resolved).endswith("(actor.dist auto: from the action space)")
+    assert cfg.actor_note(config, agent.resolved).endswith("(actor.dist auto: from the action space)")
     wrong, kind = ("normal", "discrete") if discrete else ("onehot", "continuous")
     with pytest.raises(tools.ConfigError, match=f"Invalid value '{wrong}' for --actor.dist: task "
                                                    f"'dmc_cartpole_balance' has {kind} actions; use --actor.dist "
@@ -398,14 +399,14 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
 def test_compile_auto_compiles_on_cuda_and_not_for_a_short_cpu_run_and_explicit_values_stay(spaces):
     agent, config = make_agent(spaces, "--compile", "auto", "--device", "cpu")  # the debug preset: 600 frames
     assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
-    note = dreamer.compile_note(config, agent.resolved["compile"])
+    note = cfg.compile_note(config, agent.resolved["compile"])
     assert note.startswith("off (auto: on a CPU: ") and "less than the ~370 s warm-up" in note, note
     cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1], spaces[0])
     assert "compile" in resolved and cuda.compile == "update"
     explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1], spaces[0])
     assert "compile" not in resolved and explicit.compile is True
     assert make_config("--compile", "false").compile is False
-    assert dreamer.parse(["--device", "cpu"]).compile == "auto"  # the default
+    assert cfg.parse(["--device", "cpu"]).compile == "auto"  # the default
 
 
 def test_default_observation_keys_route_images_to_the_cnn_and_vectors_to_the_mlp():
@@ -419,8 +420,8 @@ def test_default_observation_keys_route_images_to_the_cnn_and_vectors_to_the_mlp
              **{k: gymnasium.spaces.Box(0, 1, (), bool) for k in ("is_first", "is_last", "is_terminal")}}
     shapes = {}
     for preset in ([], ["dmc_vision"], ["dmc_proprio"]):
-        config = dreamer.parse([*(["--configs", *preset] if preset else []), "--encoder.cnn_depth", "2",
-                                "--decoder.cnn_depth", "2", "--encoder.mlp_units", "8", "--decoder.mlp_units", "8"])
+        config = cfg.parse([*(["--configs", *preset] if preset else []), "--encoder.cnn_depth", "2",
+                            "--decoder.cnn_depth", "2", "--encoder.mlp_units", "8", "--decoder.mlp_units", "8"])
         encoder = networks.MultiEncoder(space, config.encoder)
         decoder = networks.MultiDecoder(8, space, config.decoder)
         shapes[tuple(preset)] = (set(encoder.cnn_shapes), set(encoder.mlp_shapes),

@@ -1,8 +1,8 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
 that no term escapes, one train step in the official three parts shared by both update modes (which
-only choose the optimizers), six calls from main, a read-only config, choices, ranges and the keys
-free on resume declared once beside their readers, exhaustive dispatch, the train-ratio arithmetic in
-one place, and imports in one direction (compilation of every network a preset builds:
+only choose the optimizers), six calls from main, a read-only config, one schema of its keys
+(config.SCHEMA: choices that are the dispatch tables' keys, ranges, the keys free on resume), the
+train-ratio arithmetic in one place, and imports in one direction (compilation of every network a preset builds:
 tests/test_compile.py)."""
 
 import collections
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import config as cfg
 import dreamer
 import envs
 import exploration
@@ -26,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make_agent(*flags):
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu", *flags])
+    config = cfg.parse(["--configs", "debug", "--device", "cpu", *flags])
     env = envs.make_env(config, "train", 0)
     torch.manual_seed(0)
     return dreamer.Dreamer(env.obs_space, env.act_space, config), env
@@ -83,7 +84,7 @@ def test_reward_scale_multiplies_its_term_in_the_world_model_loss():
 
 
 def test_a_head_without_a_loss_fails_at_construction(monkeypatch):
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu"])
+    config = cfg.parse(["--configs", "debug", "--device", "cpu"])
     env = envs.make_env(config, "train", 0)
     real_init = torch.nn.ModuleDict.__init__
 
@@ -292,14 +293,14 @@ def test_the_keys_the_joint_update_ignores_are_named_with_the_reason():
     """Under update 'joint' one optimizer with the world model's settings steps everything: the
     actor's and critic's optimizer keys that differ from them are named in one start-up warning
     (run_processes prints models.ignored_keys); none when they agree or another mode reads them."""
-    config = dreamer.parse(["--configs", "debug", "--update", "joint", "--imag_gradient", "reinforce", "--actor.lr",
-                            "1e-3", "--actor.eps", "1e-8", "--actor.grad_clip", "1000", "--critic.lr", "1e-4",
-                            "--critic.eps", "1e-8", "--critic.grad_clip", "1000"])  # all but actor.lr agree
+    config = cfg.parse(["--configs", "debug", "--update", "joint", "--imag_gradient", "reinforce", "--actor.lr",
+                        "1e-3", "--actor.eps", "1e-8", "--actor.grad_clip", "1000", "--critic.lr", "1e-4",
+                        "--critic.eps", "1e-8", "--critic.grad_clip", "1000"])  # all but actor.lr agree
     assert models.ignored_keys(config) == [
         "--actor.lr 0.001 ignored: under --update joint one optimizer steps the world model, actor and critic with "
         "--model_lr 0.0001, --opt_eps 1e-08, --grad_clip 1000; use --update sequential for an optimizer per network"]
     # recipe2024 sets the actor's and critic's keys to the world model's: nothing is lost
-    assert models.ignored_keys(dreamer.parse(["--configs", "recipe2024", "debug"])) == []
+    assert models.ignored_keys(cfg.parse(["--configs", "recipe2024", "debug"])) == []
     assert models.ignored_keys(config.replace(update="sequential")) == []  # every key is read
     # Plan2Explore's actor-critic steps with the actor's and critic's keys under 'joint' too
     assert models.ignored_keys(config.replace(expl_behavior="plan2explore")) == []
@@ -309,7 +310,7 @@ def test_the_keys_the_joint_update_ignores_are_named_with_the_reason():
 
 
 def test_the_settled_config_is_read_only():
-    config = dreamer.parse(["--configs", "debug"])
+    config = cfg.parse(["--configs", "debug"])
     with pytest.raises(AttributeError, match="read-only"):
         config.batch_size = 3
     with pytest.raises(AttributeError, match="read-only"):
@@ -327,7 +328,7 @@ def test_the_settled_config_is_read_only():
 
 
 def test_auto_keys_are_settled_once_into_a_new_config():
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--compile", "auto"])
+    config = cfg.parse(["--configs", "debug", "--device", "cpu", "--compile", "auto"])
     env = envs.make_env(config, "train", 0)
     settled, resolved = models.resolve_auto(config, env.act_space)
     assert set(resolved) == {"actor.dist", "imag_gradient", "compile"}
@@ -340,85 +341,77 @@ def test_auto_keys_are_settled_once_into_a_new_config():
 
 
 def test_a_normal_actor_refuses_std_none():
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--actor.std", "none"])
+    config = cfg.parse(["--configs", "debug", "--device", "cpu", "--actor.std", "none"])
     env = envs.make_env(config, "train", 0)
     with pytest.raises(tools.ConfigError, match="Invalid value 'none' for --actor.std"):
         models.resolve_auto(config, env.act_space)
 
 
-def test_every_choice_is_declared_by_one_module():
-    tables = [networks.CHOICES, models.CHOICES, exploration.CHOICES, envs.CHOICES]
-    import parallel
-
-    tables += [parallel.CHOICES, dreamer.RUN_CHOICES]  # the run's own: the prefill, which dreamer.py runs
-    keys = [key for table in tables for key in table]
-    assert len(keys) == len(set(keys)), "a choice declared twice"
-    assert set(keys) == set(dreamer.CHOICES)
-    defaults = tools.flatten(tools.load_presets()["defaults"])
-    assert set(keys) <= set(defaults), set(keys) - set(defaults)
-
-
-def test_every_range_is_declared_by_one_module():
-    """Each module declares the ranges of the keys it reads (networks, models, exploration; the
-    run's own in dreamer.RUN_RANGES); parse checks the one merged table."""
-    tables = [networks.RANGES, models.RANGES, exploration.RANGES, dreamer.RUN_RANGES]
-    keys = [key for table in tables for key in table]
-    assert len(keys) == len(set(keys)), "a range declared twice"
-    assert set(keys) == set(dreamer.RANGES)
-    defaults = tools.flatten(tools.load_presets()["defaults"])
-    assert set(keys) <= set(defaults), set(keys) - set(defaults)
-    assert set(models.RANGES) >= {"model_lr", "actor.lr", "critic.repval", "discount", "imag_horizon"}
-    assert set(networks.RANGES) >= {"dyn_deter", "units", "encoder.cnn_keys"}
+# Each key whose value a module dispatches on, and the table it dispatches with: the schema's
+# choices are that table's keys ('auto' besides, for the keys resolve_auto settles), so that a choice
+# added to either is added to both.
+DISPATCH = {
+    "act": networks.ACTIVATIONS, "encoder.act": networks.ACTIVATIONS, "decoder.act": networks.ACTIVATIONS,
+    "dyn_std_act": networks.STD_ACTS, "encoder.cnn": networks.IMAGE_ENCODERS,
+    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": models.OPTIMIZERS,
+    "update": models.UPDATES, "compile": models.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
+    "disag_target": exploration.Plan2Explore.TARGETS, "prefill_policy": dreamer.PREFILLS,
+}
 
 
-def test_every_key_free_on_resume_is_declared_by_one_module(tmp_path, capsys):
-    """The keys that may change when a run resumes are declared beside their readers (parallel,
-    models, logs; the run's own in dreamer.RUN_FREE_ON_RESUME), each once, each a key of the defaults;
-    a free key changed is silent, another is a warning naming it."""
-    import logs
-    import parallel
+def test_the_schema_names_real_keys_and_each_dispatch_table_is_its_choices():
+    defaults = tools.flatten(cfg.load_presets()["defaults"])
+    assert set(cfg.SCHEMA) <= set(defaults), set(cfg.SCHEMA) - set(defaults)
+    for key, table in DISPATCH.items():
+        assert set(cfg.SCHEMA[key].choices) - {"auto"} == set(table), key
+    for key, row in cfg.SCHEMA.items():
+        assert not (row.choices and row.range), f"{key}: choices and a range"
+        assert not row.auto or row.whole, f"{key}: 'auto' or a whole number, but not whole"
+        assert not row.size or row.range, f"{key}: a size without a range"
+    # every whole number and every size is an integer in the parsed defaults (1e6 in YAML is a float)
+    parsed = tools.flatten(cfg.parse([]).to_dict())
+    assert all(isinstance(parsed[key], int) or parsed[key] == "auto" and row.auto
+               for key, row in cfg.SCHEMA.items() if row.whole or row.size)
+    # Plan2Explore's disagreement is a variance over members: one member is refused at parse, not later.
+    with pytest.raises(tools.ConfigError, match="for --disag_models; valid: a whole number >= 2"):
+        cfg.parse(["--configs", "debug", "--disag_models", "1"])
 
-    tables = [parallel.FREE_ON_RESUME, models.FREE_ON_RESUME, logs.FREE_ON_RESUME, dreamer.RUN_FREE_ON_RESUME]
-    keys = [key for table in tables for key in table]
-    assert len(keys) == len(set(keys)) and set(keys) == set(dreamer.FREE_ON_RESUME)
-    assert set(keys) <= set(tools.flatten(tools.load_presets()["defaults"])), set(keys)
-    config = dreamer.parse(["--configs", "debug", "--logdir", str(tmp_path)])
-    storage.save_config(config, tmp_path / "config.yaml")
+
+def bad_values():
+    """(key, a bad value, what the error names): a choice, a range, a fraction of a whole number and
+    a word for a count, for every key that has one."""
+    for key, row in cfg.SCHEMA.items():
+        if row.choices:
+            yield key, "bogus", "valid: " + ", ".join(map(str, row.choices))
+        elif row.range and row.range[1].startswith("a whole number >= 1"):
+            yield key, "0", "valid: " + row.range[1]
+        if row.whole and not row.auto:
+            yield key, "2.5", "expected a whole number"
+        if row.auto:
+            yield key, "many", "expected a whole number or auto"
+
+
+@pytest.mark.parametrize("key, value, named", list(bad_values()))
+def test_a_bad_value_of_each_kind_is_one_line_naming_the_valid_ones_and_exit_2(key, value, named, capsys):
+    with pytest.raises(SystemExit) as stop:
+        dreamer.main(["--configs", "debug", "--logdir", "unused", f"--{key}", value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: Invalid value '{value}' for --{key}") and named in err, err
+
+
+def test_keys_free_on_resume_change_silently_and_others_warn(tmp_path):
+    config = cfg.parse(["--configs", "debug", "--logdir", str(tmp_path)])
+    cfg.save_config(config, tmp_path / "config.yaml")
     changed = config.replace({"env_timeout": 60.0, "compile": "update", "logger": ["jsonl"], "save_every": 5.0,
                               "units": 7})
-    assert tools.compare_saved_config(changed, tmp_path / "config.yaml", dreamer.FREE_ON_RESUME) == ["units: 32 -> 7"]
+    assert cfg.compare_saved_config(changed, tmp_path / "config.yaml") == ["units: 32 -> 7"]
 
 
 @pytest.mark.parametrize("key, value", [("encoder.act", "Swish"), ("decoder.act", "Swish")])
 def test_the_encoder_and_decoder_activations_are_validated(key, value):
     with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
-        dreamer.parse(["--configs", "debug", f"--{key}", value])
-
-
-# Each validated string key and how to build what dispatches on it: a value that parse would have
-# refused (here slipped past it with Config.replace) is an error naming the key, never a silent default.
-DISPATCH = {
-    "winit": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
-    "decoder.cnn": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
-    "dyn_cell": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
-    "initial": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
-    "expl_behavior": lambda config, env: exploration.make_behavior(
-        config, models.WorldModel(env.obs_space, env.act_space, config), env.act_space),
-    "disag_target": lambda config, env: exploration.Plan2Explore(
-        config, models.WorldModel(env.obs_space, env.act_space, config), env.act_space),
-    "update": lambda config, env: dreamer.Dreamer(env.obs_space, env.act_space, config),
-    "dyn_mean_act": lambda config, env: models.WorldModel(env.obs_space, env.act_space, config),
-    "actor.dist": lambda config, env: dreamer.Dreamer(env.obs_space, env.act_space, config),
-}
-
-
-@pytest.mark.parametrize("key", list(DISPATCH))
-def test_every_dispatch_on_a_validated_string_is_exhaustive(key):
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu", "--expl_behavior", "plan2explore"])
-    config, _ = models.resolve_auto(config, envs.make_env(config, "train", 0).act_space)
-    env = envs.make_env(config, "train", 0)
-    with pytest.raises((ValueError, KeyError), match=rf"{key.split('.')[-1]}|bogus"):
-        DISPATCH[key](config.replace({key: "bogus"}), env)
+        cfg.parse(["--configs", "debug", f"--{key}", value])
 
 
 def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
@@ -433,8 +426,8 @@ def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
 def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total():
     """Updates owed = steps x train_ratio / replayed steps per update: the loop's schedule and the
     run's total (the summary's and the resource sizing's) give the same counts."""
-    config = dreamer.parse(["--configs", "debug", "--train_ratio", "3", "--batch_size", "2", "--batch_length", "5",
-                            "--steps", "100", "--prefill", "10", "--pretrain", "4", "--action_repeat", "2"])
+    config = cfg.parse(["--configs", "debug", "--train_ratio", "3", "--batch_size", "2", "--batch_length", "5",
+                        "--steps", "100", "--prefill", "10", "--pretrain", "4", "--action_repeat", "2"])
     assert tools.replayed_per_update(config) == 10
     assert tools.Ratio(3, 10).owed(7) == int(tools.updates_owed(7, 3, 10)) == 2
     assert tools.total_updates(config) == 4 + int(90 / 2 * 3 / 10)  # 45 policy steps after the prefill
@@ -442,14 +435,16 @@ def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total
 
 # -- imports in one direction ----------------------------------------------------------------------
 
-# What each module may import of the project: dreamer.py -> exploration -> models -> networks ->
-# distributions; models -> storage, launch -> tools; logs.py writes through storage and reads the
-# suites' metrics of envs/; resources.py sizes a run on parallel.py's environments; parallel.py and
-# envs/ know nothing about models; distributions.py and tools.py import nothing of the project;
-# nothing imports dreamer.
+# What each module may import of the project: dreamer.py -> config -> exploration -> models ->
+# networks -> distributions; models -> storage, launch -> tools (config.py names the dispatch tables of
+# the modules below it, which raise tools.ConfigError and never import config); logs.py writes through
+# storage and reads the suites' metrics of envs/; resources.py sizes a run on parallel.py's
+# environments; parallel.py and envs/ know nothing about models; distributions.py and tools.py import
+# nothing of the project; nothing imports dreamer.
 ALLOWED = {
-    "dreamer": {"exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel", "resources",
-                "envs"},
+    "dreamer": {"config", "exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel",
+                "resources", "envs"},
+    "config": {"exploration", "models", "networks", "storage", "launch", "tools", "parallel", "logs", "envs"},
     "exploration": {"distributions", "models", "networks", "launch", "tools"},
     "models": {"networks", "storage", "launch", "tools"},
     "networks": {"distributions", "tools"},

@@ -19,6 +19,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import config as cfg  # noqa: E402
 import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
@@ -64,8 +65,8 @@ UPDATES = {"sequential": ["--expl_behavior", "plan2explore"],
 
 def make_agent(update):
     torch.manual_seed(0)
-    config = dreamer.parse(["--configs", "debug", *PROPRIO, *UPDATES[update], "--batch_size", str(BATCH),
-                            "--batch_length", "6"])
+    config = cfg.parse(["--configs", "debug", *PROPRIO, *UPDATES[update], "--batch_size", str(BATCH),
+                        "--batch_length", "6"])
     return dreamer.Dreamer(OBS_SPACE, BOX, config)
 
 
@@ -233,7 +234,7 @@ def test_a_rank_that_raises_ends_the_job_and_is_named(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--eval_only", "--offline_traindir", "--asynchronous"])
 def test_modes_not_supported_under_torchrun_are_one_line(flag, tmp_path, monkeypatch, capsys):
-    assert flag[2:] in tools.flatten(tools.load_presets()["defaults"])  # a renamed key fails here, not elsewhere
+    assert flag[2:] in tools.flatten(cfg.load_presets()["defaults"])  # a renamed key fails here, not elsewhere
     args = ["--configs", "debug", "--logdir", str(tmp_path / "run"), flag]
     args += [str(tmp_path)] if flag == "--offline_traindir" else []
     monkeypatch.setenv("RANK", "0")

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-import dreamer
+import config as cfg
 import envs
 import logs
 import storage
@@ -32,11 +32,11 @@ def run_cli(*args, timeout=300):
 
 
 def test_every_default_key_has_a_comment_and_appears_in_help():
-    rows = tools.config_reference()
-    defaults = tools.flatten(tools.load_presets()["defaults"])
+    rows = cfg.config_reference()
+    defaults = tools.flatten(cfg.load_presets()["defaults"])
     assert [key for key, _, _ in rows] == list(defaults)  # every key, in the file's order
     assert not [key for key, _, comment in rows if not comment], "keys without a comment in configs.yaml"
-    text = dreamer.usage()
+    text = cfg.usage()
     for key, default, comment in rows:
         line = next((line for line in text.splitlines() if line.strip().startswith(f"--{key} ")), None)
         assert line is not None, key
@@ -56,7 +56,7 @@ def test_help_topic_narrows_and_an_unknown_one_is_one_line():
 
 
 def test_continuation_comment_lines_join_their_key():
-    rows = {key: comment for key, _, comment in tools.config_reference()}
+    rows = {key: comment for key, _, comment in cfg.config_reference()}
     assert rows["imag_gradient"].endswith("(backprop through the model) | reinforce | both")
 
 
@@ -78,13 +78,13 @@ def test_every_benchmark_script_answers_help(script):
     ("debug", 1 + int((600 - 1) / 2 * 32 / (10 * 20))),  # 48
 ])
 def test_total_updates_equal_a_hand_computation(preset, expected):
-    config = dreamer.parse(["--configs", preset])
+    config = cfg.parse(["--configs", preset])
     assert tools.total_updates(config) == expected
 
 
 @pytest.mark.slow  # steps the environment 2,050 times
 def test_replay_memory_estimate_matches_a_filled_replay():
-    config = dreamer.parse(["--configs", "debug", "--dataset_size", "2000"])
+    config = cfg.parse(["--configs", "debug", "--dataset_size", "2000"])
     env = envs.make_env(config, "train", 0)
     spec = storage.episode_spec(env.obs_space, env.act_space)
     replay = storage.Replay(config.dataset_size, 1)
@@ -109,7 +109,7 @@ def test_replay_memory_estimate_matches_a_filled_replay():
     ("dmc_vision", 4_000_000, 1_000_000),  # a long one fills it
 ])
 def test_the_cost_line_counts_what_the_run_will_store(preset, frames, stored):
-    config = dreamer.parse(["--configs", preset, "--steps", str(frames)])
+    config = cfg.parse(["--configs", preset, "--steps", str(frames)])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
     step = storage.step_bytes(spec)
     replay = stored * step
@@ -122,7 +122,7 @@ def test_the_cost_line_counts_what_the_run_will_store(preset, frames, stored):
 
 
 def test_a_replay_that_cannot_fit_in_memory_is_a_warning_naming_dataset_size():
-    config = dreamer.parse(["--configs", "dmc_vision"])
+    config = cfg.parse(["--configs", "dmc_vision"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8)), "action": ((6,), np.dtype(np.float32))}
     lines = storage.cost_lines(config, spec, free=2 * 10**9)
     assert lines[0].startswith("Cost: 249,475 updates to 1,000,000 frames; replay 6.16 GB of memory by the end "
@@ -168,7 +168,7 @@ def test_seed_out_of_range_is_one_line():
 def test_choice_errors_name_auto():
     for key in ("compile", "parallel"):
         with pytest.raises(tools.ConfigError, match=f"Invalid value 'maybe' for --{key}; valid: auto, True, False"):
-            dreamer.parse([f"--{key}", "maybe"])
+            cfg.parse([f"--{key}", "maybe"])
 
 
 # -- the README files ----------------------------------------------------------------------------------
@@ -238,12 +238,12 @@ def test_every_documented_dreamer_command_parses(doc):
                     known.pop()
                 continue
             known.append(arg)
-        dreamer.parse(known)  # raises ConfigError on any bad key or value
+        cfg.parse(known)  # raises ConfigError on any bad key or value
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_flag_named_in_the_prose_exists(doc):
-    keys = set(tools.flatten(tools.load_presets()["defaults"])) | {"configs", "help"}
+    keys = set(tools.flatten(cfg.load_presets()["defaults"])) | {"configs", "help"}
     script_flags = set()
     for script in (ROOT / "benchmarks").glob("*.py"):
         script_flags |= set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", script.read_text()))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import config as cfg
 import dreamer
 import storage
 from envs import wrappers
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", *PROPRIO, "--expl_behavior", "plan2explore", *flags])
+    return cfg.parse(["--configs", "debug", *PROPRIO, "--expl_behavior", "plan2explore", *flags])
 
 
 def make_agent(*flags, act_space=BOX):

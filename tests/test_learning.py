@@ -22,14 +22,14 @@ sys.path.insert(0, str(ROOT))
 
 from steering import Steering  # noqa: E402
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import launch  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
-import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 RECIPES = {"v1": ["debug"], "recipe2024": ["recipe2024", "debug"]}
 # Steering steps cost nothing: frames are policy steps, and no images or videos.
 TINY = ["--device", "cpu", "--action_repeat", "1", "--video_pred_log", "False"]
@@ -125,7 +125,7 @@ def learn(recipe, seed, logdir):
     with pytest.MonkeyPatch.context() as monkeypatch:
         steering_envs(monkeypatch)
         dreamer.main(flags(recipe, *LEARN, *FASTER[recipe], "--seed", str(seed), "--logdir", str(logdir)))
-    config = dreamer.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     agent.load_state_dict(storage.load_checkpoint(logdir / "latest.pt")["agent"])
     return agent
@@ -172,7 +172,7 @@ SEED = 0  # the one the test runs
 def untrained_actor_return(agent, recipe, seed):
     """policy_return of `agent` with its actor put back to the initial weights of a fresh agent of `seed`
     (its own restored after)."""
-    config = dreamer.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(flags(recipe, *LEARN, *FASTER[recipe]), presets=copy.deepcopy(PRESETS))
     torch.manual_seed(seed)
     fresh = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     actor = agent.task_behavior.actor
@@ -374,7 +374,7 @@ def test_the_world_model_loss_falls_over_the_first_updates_on_a_fixed_replay(rec
     update needs REINFORCE actor gradients."""
     extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
     argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10", *extra)
-    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(argv, presets=copy.deepcopy(PRESETS))
     launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
@@ -403,7 +403,7 @@ def test_the_critics_value_error_falls_on_a_fixed_replay(recipe):
     that over the first four, as is the 2024 recipe's replayed-return loss (repval)."""
     argv = flags(recipe, "--update", "sequential", "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
                  "--model_lr", "1e-30", "--actor.lr", "1e-30", "--critic.lr", "1e-3")
-    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(argv, presets=copy.deepcopy(PRESETS))
     launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps
@@ -441,7 +441,7 @@ def test_four_updates_move_every_weight_of_every_learner(recipe, update):
     extra = ["--imag_gradient", "reinforce"] if update == "joint" else []
     argv = flags(recipe, "--update", update, "--warmup", "8", "--batch_size", "4", "--batch_length", "10",
                  "--kl_free", "0", *extra)
-    config = dreamer.parse(argv, presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(argv, presets=copy.deepcopy(PRESETS))
     launch.seed_everything(0, False)
     agent = dreamer.Dreamer(Steering.obs_space, Steering.act_space, config)
     length = config.batch_length + agent.context.steps

@@ -75,11 +75,11 @@ def test_unknown_or_no_logger_is_refused_naming_the_valid_ones(tmp_path, names, 
 
 
 def test_logger_default_is_tensorboard_and_jsonl():
-    import dreamer
+    import config as cfg
 
-    config = dreamer.parse(["--configs", "debug"])
+    config = cfg.parse(["--configs", "debug"])
     assert config.logger == ["tensorboard", "jsonl"]
-    assert dreamer.parse(["--logger", "jsonl,csv", "--wandb.tags", "a,b"]).to_dict()["wandb"]["tags"] == ["a", "b"]
+    assert cfg.parse(["--logger", "jsonl,csv", "--wandb.tags", "a,b"]).to_dict()["wandb"]["tags"] == ["a", "b"]
 
 
 def test_wandb_without_the_package_is_one_line_exit_2_and_writes_nothing(tmp_path):

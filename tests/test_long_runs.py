@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from stand_ins import CountingEnv, latent_policy  # noqa: E402
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
 import models  # noqa: E402
@@ -31,7 +32,7 @@ import parallel  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 PROPRIO = ["--configs", "dmc_proprio", "debug", "--device", "cpu", "--eval_episode_num", "0"]
 
@@ -275,9 +276,9 @@ def test_bad_save_every_and_chunk_size_are_one_line(tmp_path, capsys, args, mess
 
 
 def test_defaults_save_every_900_seconds_in_chunks_of_1024_steps():
-    config = dreamer.parse([], presets=copy.deepcopy(PRESETS))
+    config = cfg.parse([], presets=copy.deepcopy(PRESETS))
     assert (config.save_every, config.chunk_size) == (900, 1024)
-    minecraft = dreamer.parse(["--configs", "minecraft"], presets=copy.deepcopy(PRESETS))
+    minecraft = cfg.parse(["--configs", "minecraft"], presets=copy.deepcopy(PRESETS))
     assert minecraft.eval_episode_num == 0 and minecraft.save_every == 900  # saves without evaluating
 
 
@@ -353,7 +354,7 @@ def test_kill_9_mid_episode_keeps_every_full_chunk_and_the_rerun_replays_each_st
             assert chunk["is_first"][0] == (path == chunks[0]) and chunk["is_first"].sum() <= 1
             assert (np.abs(chunk["latent_deter"]).sum(-1) > 0).all()  # every step's latent was final when written
 
-    config = dreamer.parse([*flags, "--steps", "2000"], presets=copy.deepcopy(PRESETS))
+    config = cfg.parse([*flags, "--steps", "2000"], presets=copy.deepcopy(PRESETS))
     env_list = parallel.make_envs(config, "train", 1)
     try:
         agent = dreamer.Dreamer(env_list[0].obs_space, env_list[0].act_space, config)

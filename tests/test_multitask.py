@@ -12,6 +12,7 @@ import gymnasium
 import numpy as np
 import pytest
 
+import config as cfg
 import dreamer
 import envs
 import parallel
@@ -61,7 +62,7 @@ def test_environments_go_round_robin_and_by_weight():
 
 
 def test_evaluation_gets_its_count_of_every_task():
-    config = dreamer.parse(["--configs", "debug", "--task", "dmc_walker_walk,dmc_cheetah_run"])
+    config = cfg.parse(["--configs", "debug", "--task", "dmc_walker_walk,dmc_cheetah_run"])
     tasks = envs.parse_tasks(config.task)
     assert envs.task_assignment(tasks, "train", 3) == [0, 1, 0]
     assert envs.task_assignment(tasks, "eval", 2) == [0, 0, 1, 1]

@@ -14,12 +14,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import dreamer  # noqa: E402
+import config as cfg  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 FLAGS = ("is_first", "is_last", "is_terminal")
 ACT_SPACE = gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32)
 
@@ -27,7 +27,7 @@ ACT_SPACE = gymnasium.spaces.Box(-1, 1, (3,), dtype=np.float32)
 def make_config(*flags):
     """The debug config with its 'auto' keys settled, as dreamer.Dreamer settles them, for a
     continuous action space unless the flags ask for a onehot actor."""
-    config = dreamer.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
     if config.actor.dist == "auto":
         config, _ = models.resolve_auto(config, ACT_SPACE)
     return config

@@ -337,10 +337,10 @@ def test_no_worker_outlives_its_parent(how):
 
 
 def test_dmc_seeds_are_distinct_and_train_never_shares_with_eval():
-    import dreamer
+    import config as cfg
 
-    config = dreamer.parse(["--configs", "dmc_proprio", "--task", "dmc_cartpole_balance", "--parallel", "True",
-                            "--seed", "3"])
+    config = cfg.parse(["--configs", "dmc_proprio", "--task", "dmc_cartpole_balance", "--parallel", "True",
+                        "--seed", "3"])
     train, evaluation = parallel.make_envs(config, "train", 2), parallel.make_envs(config, "eval", 2)
     assert all(isinstance(env, parallel.Parallel) for env in train + evaluation)
     config = config.replace(parallel=False)

@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import models  # noqa: E402
@@ -20,7 +21,7 @@ import tools  # noqa: E402
 
 
 def config(*flags):
-    return dreamer.parse(["--configs", "debug", *flags])
+    return cfg.parse(["--configs", "debug", *flags])
 
 
 @pytest.mark.parametrize("precision, device, dtype, scaler", [

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import storage  # noqa: E402
@@ -30,8 +31,8 @@ def make_replay(seed=3):
 
 
 def context():
-    config = dreamer.parse(["--configs", "debug", "--replay_context", str(K), "--dyn_deter", "4", "--dyn_stoch", "2",
-                            "--dyn_discrete", "2"])
+    config = cfg.parse(["--configs", "debug", "--replay_context", str(K), "--dyn_deter", "4", "--dyn_stoch", "2",
+                        "--dyn_discrete", "2"])
     return models.ReplayContext(config)
 
 

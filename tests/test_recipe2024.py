@@ -12,20 +12,21 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
 import networks  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags, configs=("debug",)):
-    return dreamer.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def gen(seed):
@@ -737,7 +738,7 @@ def test_joint_update_refuses_the_dynamics_gradient():
 
 @pytest.mark.parametrize("configs, online", [(("debug", "recipe2024"), True), (("debug",), False)])
 def test_replay_online_gives_the_training_replay_the_queue_of_its_sequence_length(tmp_path, configs, online):
-    config = dreamer.parse(["--configs", *configs, "--batch_length", "12"], presets=copy.deepcopy(PRESETS))
+    config = cfg.parse(["--configs", *configs, "--batch_length", "12"], presets=copy.deepcopy(PRESETS))
     stored = dreamer.StoredEpisodes(config, tmp_path, 0, None, {})
     assert stored.replay.online == (12 + config.replay_context if online else 0)
     assert stored.eval_replay.online == 0  # evaluation batches are not training
@@ -761,7 +762,7 @@ def test_recipe2024_switches_to_the_official_settings_and_defaults_stay_v1():
     assert config.imag_gradient == "reinforce" and config.cont_head.contdisc
     assert (config.replay_context, config.batch_length, config.actor.absmax) == (1, 64, 0.0)
     assert config.replay_online
-    defaults = dreamer.parse(["--configs", "dmc_proprio"], presets=copy.deepcopy(PRESETS))
+    defaults = cfg.parse(["--configs", "dmc_proprio"], presets=copy.deepcopy(PRESETS))
     assert (defaults.norm, defaults.winit, defaults.opt, defaults.update, defaults.dyn_cell) == (
         "layer", "fan_avg", "adam", "sequential", "gru")
     assert (defaults.encoder.cnn, defaults.decoder.cnn, defaults.critic.repval, defaults.cont_head.contdisc) == (

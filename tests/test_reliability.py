@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import parallel  # noqa: E402
@@ -28,7 +29,7 @@ import storage  # noqa: E402
 import tools  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 
 
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def main(capsys, *args):

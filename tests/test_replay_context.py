@@ -16,13 +16,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from stand_ins import CountingEnv, latent_policy  # noqa: E402
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
-import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 VECTOR = ["--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^", "--encoder.mlp_keys", "vec",
           "--decoder.mlp_keys", "vec"]
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags, configs=("debug", "recipe2024")):
-    return dreamer.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", *configs, "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def context_of(steps, deter=3, stoch=2, classes=2):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import config as cfg
 import dreamer
 import models
 import storage
@@ -72,8 +73,8 @@ def test_the_write_back_reaches_a_replay_on_the_device():
 
 
 def test_the_replay_context_writes_back_tensors_on_the_device():
-    config = dreamer.parse(["--configs", "debug", "recipe2024", "--dyn_deter", "5", "--dyn_blocks", "1",
-                            "--dyn_discrete", "0", "--dyn_stoch", "3"])
+    config = cfg.parse(["--configs", "debug", "recipe2024", "--dyn_deter", "5", "--dyn_blocks", "1",
+                        "--dyn_discrete", "0", "--dyn_stoch", "3"])
     context = models.ReplayContext(config)
     replay = storage.Replay(100, 1, seed=0, device=DEVICE)
     for t in range(40):
@@ -114,7 +115,7 @@ def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path, 
 
 
 def test_the_cost_line_counts_the_replay_against_the_devices_memory():
-    config = dreamer.parse(["--configs", "debug", "--replay_device", "True", "--dataset_size", "1000"])
+    config = cfg.parse(["--configs", "debug", "--replay_device", "True", "--dataset_size", "1000"])
     spec = {"image": ((64, 64, 3), np.dtype(np.uint8))}
     lines = storage.cost_lines(config, spec, free=10)
     assert "of CPU memory by the end (300 steps" in lines[0]

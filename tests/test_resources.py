@@ -17,20 +17,21 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import envs  # noqa: E402
 import parallel  # noqa: E402
 import resources  # noqa: E402
 import tools  # noqa: E402
 
-PRESETS = tools.load_presets()
+PRESETS = cfg.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_config(*flags):
-    return dreamer.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
+    return cfg.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
 
 
 def costs(env_ms=20.0, worker_ms=21.0, extra=0.5, policy=1.0, update=0.01, update_1=None, cores=4, gpu=False,
@@ -333,7 +334,7 @@ def test_torchrun_refuses_auto(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(tools.ConfigError, match="--envs auto is not supported with torchrun"):
-        dreamer.check_processes(make_config("--envs", "auto"))
+        cfg.check_processes(make_config("--envs", "auto"))
 
 
 # ----------------------------------------------------------------------------------------------

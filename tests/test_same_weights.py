@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs packa
 
 import same_weights  # noqa: E402
 
+import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 
@@ -25,7 +26,7 @@ VECTOR_ONLY = ["--encoder.cnn_keys", "$^", "--decoder.cnn_keys", "$^"]
 
 
 def make_agent(seed, *flags):
-    config = dreamer.parse(["--configs", "debug", "recipe2024", "--device", "cpu", *VECTOR_ONLY, *flags])
+    config = cfg.parse(["--configs", "debug", "recipe2024", "--device", "cpu", *VECTOR_ONLY, *flags])
     box = lambda n: gymnasium.spaces.Box(-np.inf, np.inf, (n,), np.float32)  # noqa: E731
     flag = gymnasium.spaces.Box(0, 1, (), bool)
     # Keys out of sorted order, so that the encoder's input order differs from the official one.

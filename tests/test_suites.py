@@ -24,12 +24,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def config(*presets, **flags):
     """The merged config dreamer.py would run with: presets in order, then --key value flags."""
-    import dreamer
+    import config as cfg
 
     argv = ["--configs", *presets, "--logdir", "unused"]
     for key, value in flags.items():
         argv += [f"--{key}", ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return dreamer.parse(argv)
+    return cfg.parse(argv)
 
 
 def onehot(index, size):

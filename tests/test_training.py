@@ -195,12 +195,12 @@ def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
 
 
 def test_summary_says_what_compile_gains_and_costs_on_a_cpu():
-    import dreamer
+    import config as cfg
 
     for device, want in (("cpu", "1.1-1.6x faster per update after a warm-up"), ("cuda:0", "include compilation")):
-        config = dreamer.parse(["--configs", "debug", "--compile", "True", "--device", device])
-        assert want in dreamer.compile_note(config)
-    assert dreamer.compile_note(dreamer.parse(["--configs", "debug"])) == "off"
+        config = cfg.parse(["--configs", "debug", "--compile", "True", "--device", device])
+        assert want in cfg.compile_note(config)
+    assert cfg.compile_note(cfg.parse(["--configs", "debug"])) == "off"
 
 
 def test_start_up_phases_print_progress_lines_in_a_log_file(run):

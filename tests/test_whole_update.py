@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+import config as cfg
 import dreamer
 import envs
 import launch
@@ -98,7 +99,7 @@ def test_a_copied_optimizer_keeps_its_clipping_warmup_and_count():
 
 @pytest.mark.parametrize("gradient", ["dynamics", "reinforce"])
 def test_the_actor_and_critic_losses_reach_only_their_own_weights(spaces, gradient):
-    config = dreamer.parse([*SHORT, "--compile", "False", "--imag_gradient", gradient])
+    config = cfg.parse([*SHORT, "--compile", "False", "--imag_gradient", gradient])
     torch.manual_seed(0)
     agent = dreamer.Dreamer(*spaces, config)
     behavior = agent.task_behavior
@@ -182,7 +183,7 @@ def backend():
 @pytest.fixture(scope="module", params=list(CASES))
 def compared(request, backend):
     flags = CASES[request.param]
-    configs = [dreamer.parse([*SHORT, *flags, "--compile", mode]) for mode in ("False", "update")]
+    configs = [cfg.parse([*SHORT, *flags, "--compile", mode]) for mode in ("False", "update")]
     env = envs.make_env(configs[0], "train", 0)
     data = batches(env, configs[0], UPDATES)
     torch.manual_seed(0)
@@ -346,7 +347,7 @@ def test_compile_update_makes_a_region_past_the_recompile_limit_an_error_not_an_
 
 
 def test_compile_update_is_refused_under_torchrun(spaces):
-    config = dreamer.parse([*SHORT, "--compile", "update"])
+    config = cfg.parse([*SHORT, "--compile", "update"])
     agent = dreamer.Dreamer(*spaces, config)
 
     class TwoRanks(launch.SingleProcess):
@@ -357,7 +358,7 @@ def test_compile_update_is_refused_under_torchrun(spaces):
 
 
 def test_compile_auto_is_the_whole_update_on_cuda_and_per_step_under_torchrun(monkeypatch):
-    config = dreamer.parse(["--configs", "debug", "--device", "cuda"])
+    config = cfg.parse(["--configs", "debug", "--device", "cuda"])
     decision, reason = models.compile_choice(config, counts=None)
     assert decision == "update" and "CUDA graphs" in reason
     monkeypatch.setenv("RANK", "0")
@@ -366,10 +367,10 @@ def test_compile_auto_is_the_whole_update_on_cuda_and_per_step_under_torchrun(mo
 
 
 def test_compile_update_parses_and_the_summary_names_it():
-    config = dreamer.parse(["--configs", "debug", "--compile", "update"])
+    config = cfg.parse(["--configs", "debug", "--compile", "update"])
     assert config.compile == "update"
-    assert dreamer.compile_note(config).startswith("on, the whole update (on a CPU measured 1.79x faster")
-    cuda = dreamer.parse(["--configs", "debug", "--compile", "update", "--device", "cuda"])
-    assert dreamer.compile_note(cuda).startswith("on, the whole update as CUDA graphs (the first updates")
+    assert cfg.compile_note(config).startswith("on, the whole update (on a CPU measured 1.79x faster")
+    cuda = cfg.parse(["--configs", "debug", "--compile", "update", "--device", "cuda"])
+    assert cfg.compile_note(cuda).startswith("on, the whole update as CUDA graphs (the first updates")
     with pytest.raises(tools.ConfigError, match="update"):  # the error lists the valid values
-        dreamer.parse(["--configs", "debug", "--compile", "whole"])
+        cfg.parse(["--configs", "debug", "--compile", "whole"])
