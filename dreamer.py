@@ -997,9 +997,9 @@ class Checkpoints:
                              f"{stored * config.action_repeat} frames of episodes: training starts from "
                              "fresh weights and the frame count continues from them")
             return False, notes
-        networks.split_merged_outputs(self.agent, state["agent"])
+        storage.check_format(state, path)
         storage.check_fits(self.agent, state["agent"], path)
-        saved_ranks = state.get("world_size", 1)
+        saved_ranks = state["world_size"]
         if saved_ranks != ranks.world_size:
             raise tools.ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
                                     f"{ranks.world_size}: resuming with another number of processes is not "
@@ -1014,7 +1014,7 @@ class Checkpoints:
         # frames were spent, so the budget counts them (the steps of a running episode not yet in a
         # chunk at the save, at most chunk_size per environment, may count twice).
         rank = ranks.rank
-        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
+        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"]["stored_steps"]
         extra = stored - saved
         counters.stored_steps = stored
         if extra > 0:
@@ -1034,6 +1034,7 @@ class Checkpoints:
             self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
             return None
         return {
+            "format": storage.CHECKPOINT_FORMAT,
             "agent": self.agent.state_dict(),
             "optimizers": self.agent.optimizer_state(),
             "counters": dict(vars(counters)),
@@ -1074,11 +1075,7 @@ class Checkpoints:
         """The replay's latents and online queue (Replay.context_state) over the steps the episode files
         reloaded; a line for the summary when some could not be placed."""
         rank = self.ranks.rank
-        saved = (state["ranks"][rank - 1] if rank else state).get("replay")
-        if saved is None:  # saved before checkpoints kept it
-            return ["WARNING: the checkpoint holds no replay state (saved by an earlier version): the replay's "
-                    "latents are the episode files' and its online queue starts empty"]
-        missed = self.replay.load_context_state(saved)
+        missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
         return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
                 "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
                 "policy's, stand in)"] if missed else []
@@ -1264,7 +1261,7 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
     state, path, notes = storage.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
-    networks.split_merged_outputs(agent, state["agent"])
+    storage.check_format(state, path)
     storage.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)

@@ -1082,6 +1082,20 @@ def lock_logdir(logdir):
     return f
 
 
+# The layout of what Checkpoints saves. A checkpoint of another one is refused, not migrated: raise
+# it whenever a key is added, removed or changes its meaning.
+CHECKPOINT_FORMAT = 1
+
+
+def check_format(state, path):
+    """A checkpoint of another format than this version's (CHECKPOINT_FORMAT) ends the run in one line."""
+    found = state.get("format")
+    if found != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is a checkpoint of format {found if found is not None else 'none (older)'} and "
+                          f"this version reads format {CHECKPOINT_FORMAT} only: resume it with the version that "
+                          "saved it or use another --logdir")
+
+
 def check_fits(agent, saved, path):
     """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
     current = agent.state_dict()
