@@ -126,7 +126,7 @@ def test_non_finite_weights_are_never_saved(run_copy):
     trainer = trainer_for(run_copy)
     with torch.no_grad():
         next(trainer.agent.parameters())[0] = float("nan")
-    with pytest.raises(dreamer.NonFiniteError, match=r"non-finite weights .* \(latest.pt keeps frame 40\)"):
+    with pytest.raises(storage.NonFiniteError, match=r"non-finite weights .* \(latest.pt keeps frame 40\)"):
         trainer.save()
     assert (run_copy / "latest.pt").read_bytes() == before and not (run_copy / "previous.pt").exists()
     trainer.train_envs[0].close()
