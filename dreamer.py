@@ -5,9 +5,11 @@
 It reads top to bottom in the order a run goes: `main` parses and checks the command line
 (`setup`), takes the logdir's lock, sizes the resources (resources.Resources), builds the
 environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
-agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`SyncLoop` or `AsyncLoop`) collects
-and learns; then its `Checkpoints`, its `RunLog` and its `Evaluation`, each built from what it
-reads, not from the Trainer; and last --eval_only. Rerunning the same command resumes.
+agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`Trainer.train`) reads in the order
+it runs: count, evaluate, log and save when due, collect, train by the ratio (asynchronously, a
+collector thread collects: parallel.CollectorThread); its checkpoint (storage.Checkpoints), logs
+(logs.RunLog) and evaluation (logs.Evaluation) are built from what they read, not from the
+Trainer; and last --eval_only. Rerunning the same command resumes.
 
 The config's schema, parser, --help, argument checks and start-up summary live in config.py,
 episode files and the replay in storage.py, logging and progress in logs.py, experience collection
@@ -18,16 +20,12 @@ the world model, actor-critic and the update (models.Update.train_step) in model
 import collections
 import contextlib
 import functools
-import json
 import os
 import pathlib
 import signal
 import sys
-import threading
-import time
 import traceback
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -70,7 +68,7 @@ def main(argv=None):
         name = "SIGTERM" if isinstance(e, Interrupted) else "Ctrl-C"
         print(f"Stopped by {name}; rerun the same command to resume.", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(e, Interrupted) else 130)
-    except (NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
+    except (storage.NonFiniteError, parallel.NonFiniteStep) as e:  # the latter from an evaluation's environment
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except storage.WriteError as e:  # a full disk or a read-only logdir: one line on every rank that hit it
@@ -358,7 +356,7 @@ class Dreamer(nn.Module):
         return changes
 
 # ==================================================================================================
-# The Trainer: replay, counters and schedules; prefill, pretraining and the loop
+# The Trainer: counters and schedules; prefill, pretraining and the loop
 # ==================================================================================================
 
 
@@ -373,55 +371,16 @@ class Counters:
         self.completed = 0  # the --steps the run ended at (its last evaluation, log and save done); 0: not yet
 
 
-class StoredEpisodes:
-    """A run's episode folders and what is loaded from them at the start: the training replay (from
-    traindir, or offline_traindir) and the evaluation replay (evaldir, or offline_evaldir, which
-    eval_openl samples). Files that do not fit the run's spaces (those of `env`; without one they
-    are taken on trust) are skipped with a warning and counted in `note`."""
-
-    def __init__(self, config, logdir, rank, env, context_spec):
-        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
-        if rank:  # rank 0 keeps the single-process folder, so its runs resume alike
-            self.traindir = self.traindir / f"rank{rank}"
-        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
-        self.skipped = 0
-        # What a kill -9 left in the folders this run writes (the main process alone writes evaldir).
-        own = ([] if config.offline_traindir else [self.traindir]) + ([self.evaldir] if not rank else [])
-        self.recovered = [f"WARNING: {line}" for line in map(storage.recover_episodes, own) if line]
-        spec = storage.episode_spec(env.obs_space, env.act_space) if env is not None else None
-        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
-        # is the evaluation replay's).
-        self.replay = storage.Replay(config.dataset_size, max(1, config.envs),
-                                   config.seed + (1 + 1000 * rank if rank else 0),
-                                   device=config.device if config.replay_device else None,
-                                   online=config.batch_length + config.replay_context if config.replay_online else 0)
-        source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
-        # Training episodes hold the policy's latents too when the replay context wants them.
-        train_spec = {**spec, **context_spec} if spec is not None else None
-        loaded_steps = 0
-        for i, episode in enumerate(storage.load_episodes(source, config.dataset_size, train_spec, self.skip)):
-            self.replay.add_episode(storage.strip_logs(episode), i % len(self.replay.streams))
-            loaded_steps += len(episode["reward"]) - 1
-        self.eval_replay = storage.Replay(100 * config.batch_length, 1, config.seed + 1)
-        source = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
-        for episode in storage.load_episodes(source, 100 * config.batch_length, spec, self.skip):
-            self.eval_replay.add_episode(storage.strip_logs(episode))
-        self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
-
-    def skip(self, filename, problem):
-        storage.skip_warning(filename, problem)
-        self.skipped += 1
-
-
 class Trainer:
-    """Owns a run's replay, counters and schedules; `train()` is the main loop.
+    """Owns a run's counters and schedules; `train()` is the loop, in the order it runs.
 
-    Its stored episodes (`StoredEpisodes`), checkpoint (`Checkpoints`), logs (`RunLog`) and
-    evaluation (`Evaluation`) are components of their own, built from the parts they read.
-    Under torchrun (`ranks` a launch.Distributed) every process runs this loop in lockstep with its
-    own environments, replay and episode folder (rank k > 0: train_eps/rank<k>); the counters and
-    schedules are the same on all of them, so that each makes the same updates. The main process
-    alone logs, evaluates and writes the checkpoint, which holds every rank's random state.
+    Its stored episodes and replay (storage.StoredEpisodes), checkpoint (storage.Checkpoints), logs
+    (logs.RunLog) and evaluation (logs.Evaluation) are components of their own, built from the
+    parts they read. Under torchrun (`ranks` a launch.Distributed) every process runs this loop in
+    lockstep with its own environments, replay and episode folder (rank k > 0: train_eps/rank<k>);
+    the counters and schedules are the same on all of them, so that each makes the same updates.
+    The main process alone logs, evaluates and writes the checkpoint, which holds every rank's
+    random state.
     """
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
@@ -430,11 +389,14 @@ class Trainer:
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
         self.counters = Counters()
-        self.loop = LOOPS[config.asynchronous](self)
-        self.schedules = {"train": self.loop.schedule,
-                          "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+        per_update = tools.replayed_per_update(config)
+        # Asynchronous collection: a limiter between the collector thread and the learner (train_asynchronously).
+        train = (tools.SamplesPerInsert(config.train_ratio, per_update, config.ratio_tolerance) if config.asynchronous
+                 else tools.Ratio(config.train_ratio, per_update))
+        self.schedules = {"train": train, "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
         env = (train_envs or eval_envs or [None])[0]  # without one, stored episodes are taken on trust
-        stored = StoredEpisodes(config, logdir, self.ranks.rank, env, agent.context.spec if env is not None else {})
+        stored = storage.StoredEpisodes(config, logdir, self.ranks.rank, env,
+                                        agent.context.spec if env is not None else {})
         self.traindir, self.evaldir = stored.traindir, stored.evaldir
         self.replay, self.eval_replay = stored.replay, stored.eval_replay
         self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
@@ -442,24 +404,32 @@ class Trainer:
         if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
             raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
                                     f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
-        self.checkpoints = Checkpoints(logdir / "latest.pt", config, agent, self.counters, self.schedules,
-                                       self.replay, self.ranks)
+        self.checkpoints = storage.Checkpoints(logdir / "latest.pt", config, agent, self.counters, self.schedules,
+                                               self.replay, self.ranks)
         self.resumed, notes = self.checkpoints.resume(None if config.offline_traindir else self.traindir)
         self.notes += notes
         # Every rank counts the frames of the rank that stored the most (they differ only after a
         # kill -9), so that all run the same number of iterations.
         self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
         self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
-        self.collector = (parallel.Collector(train_envs, self.replay, self.traindir, self.on_episode,
+        self.collector = (parallel.Collector(train_envs, self.replay, self.traindir, self.finished.append,
                                              config.action_repeat, agent.context, config.chunk_size)
                           if train_envs else None)
+        self.actor = self.actor_agent = self.synced = None  # asynchronous: the collector thread, from the loop on
         # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
         stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
         self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
-        self.stopwatch = tools.Stopwatch(("learner", "env", *self.loop.waits))
-        self.run_log = RunLog(config, logdir, agent, self.counters, self.ranks, self.tasks, self.replay,
-                              self.collector, self.checkpoints.kept)
-        self.evaluation = Evaluation(config, agent, eval_envs, self.evaldir, self.eval_replay, self.ranks)
+        waits = ("learner_wait", "env_wait") if config.asynchronous else ()
+        self.stopwatch = tools.Stopwatch(("learner", "env", *waits))
+        # The open-loop videos: the main process alone writes them, and they need an image decoder.
+        films = (agent is not None and self.ranks.is_main and config.video_pred_log
+                 and bool(agent.wm.heads["decoder"].cnn_shapes))
+        predict = (lambda data: agent.wm.video_pred(agent.wm.preprocess(data))) if films else None
+        self.run_log = logs.RunLog(config, logdir, self.counters, self.ranks, self.tasks, self.replay,
+                                   self.collector, self.checkpoints.kept, predict)
+        run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
+                                          self.evaldir) if eval_envs else None)
+        self.evaluation = logs.Evaluation(config, run_episodes, self.eval_replay, self.ranks.is_main, predict)
         self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
 
     @property
@@ -480,61 +450,101 @@ class Trainer:
         return storage.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
                                 config.device)
 
-    # -- the components' entry points, for the loops and tests ---------------------------------------
-
     progress = property(lambda self: self.run_log.progress)
     evaluates = property(lambda self: self.evaluation.enabled)
 
-    def save(self):
-        self.run_log.check_losses()
-        with self.loop.between_steps():  # counters, schedules and episodes on disk agree
-            self.count_episodes()
-            if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
-                self.counters.stored_steps = storage.stored_steps(self.traindir)
-            state = self.checkpoints.state()
-        self.checkpoints.write(state)
-        self.agreement.saved()
+    # -- the loop -----------------------------------------------------------------------------------
 
-    def save_on_interrupt(self):
-        if self.checkpoints.saved_at == (self.frames, self.counters.updates):  # a stop the ranks agreed on saved
-            return
-        if self.ranks.world_size > 1:
-            # A second signal: saving gathers from every rank, and each stopped at its own point.
-            print(f"Not saved: a second signal stops every rank at once ({self.checkpoints.kept()}).",
-                  file=sys.stderr, flush=True)
-            return
+    def train(self):
+        """Prefill and pretrain; then, until `steps` frames: count what was collected, evaluate, log and
+        save when due (`maintain`), collect, train by the ratio; then the end's evaluation, log and save.
+        Synchronous, the learner collects and trains in turn; asynchronous, a collector thread collects
+        (`train_asynchronously`)."""
+        self.run_log.open()
         try:
-            self.save()
-        except (NonFiniteError, storage.WriteError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-
-    def log(self):
-        self.run_log.check_losses()
-        self.count_episodes()
-        busy = {f"{name}_busy" if name in ("learner", "env") else name: value
-                for name, value in self.stopwatch.fractions().items()}
-        self.run_log.log({**busy, **self.loop.stats()})
-
-    def evaluate(self):
-        try:
-            mean_return = self.evaluation.run(self.run_log.logger)
-        except ValueError as e:  # as in collect
-            self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
+            with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
+                if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
+                    prefill_and_pretrain(self)
+                if self.config.asynchronous:
+                    self.train_asynchronously()
+                else:  # the learner waits while the environments step and the environments while it trains
+                    while self.frames < self.config.steps:
+                        self.maintain()
+                        with self.stopwatch.time("env"):
+                            self.collect(self.policy)
+                        with self.stopwatch.time("learner"):
+                            self.update(self.schedules["train"](self.counters.policy_steps))
+                # The end evaluates and logs, and counts as the schedules' turn where one is due: a
+                # run continued from here with more --steps does not do them again at this frame.
+                self.schedules["eval"](self.frames)
+                self.schedules["log"](self.frames)
+                if self.evaluates:
+                    self.evaluate()
+                self.log()
+                self.stop_collection()
+                self.counters.completed = self.config.steps
+                self.save()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
+            self.stop_collection()  # the collector stops first, so that the checkpoint is taken between two steps
+            self.save_on_interrupt()
             raise
-        if mean_return is not None:
-            self.progress.update(self.frames, eval_return=mean_return)
+        except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
+            raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
+        finally:
+            self.stop_collection()  # after any other error too: no thread outlives the run
+            self.run_log.close()
 
-    # -- acting and learning ------------------------------------------------------------------------
+    def train_asynchronously(self):
+        """The learner trains in this thread while a collector thread (parallel.CollectorThread) steps
+        every environment under one batched call of a copy of the policy, refreshed every
+        `actor_sync_every` updates, and hands each step over through a queue: this thread alone
+        counts them (`count`). The limiter (tools.SamplesPerInsert) holds the train ratio within
+        `ratio_tolerance` updates: the learner waits when it runs ahead, the collector when the
+        learner falls behind. The collector thread uses one torch thread; the learner keeps its own
+        (README, Going faster)."""
+        config, limiter, env = self.config, self.schedules["train"], self.train_envs[0]
+        limiter.load_state_dict({"updates": limiter.updates, "inserts": self.counters.policy_steps})
+        self.actor_agent = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
+        self.actor_agent.to(config.device).requires_grad_(False)
+        self.actor = parallel.CollectorThread(self.collector, self.actor_policy, limiter, self.counters.policy_steps,
+                                              config.steps, self.stopwatch)
+        self.sync_actor()
+        print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
+              f"with 1, {len(self.train_envs)} environments; weights synced every {config.actor_sync_every} "
+              "updates", flush=True)
+        self.actor.start()
+        while not (self.actor.done.is_set() and not limiter.can_sample()):
+            self.maintain()
+            if self.actor.error is not None:
+                self.raise_actor_error()
+            with self.stopwatch.time("learner_wait"):
+                if not limiter.wait_sample(timeout=0.05):
+                    continue
+            with self.stopwatch.time("learner"):
+                self.update(1)
+            limiter.sampled()
+            if self.counters.updates - self.synced >= config.actor_sync_every:
+                self.sync_actor()
+        self.count()  # the steps handed over since the last maintain
+        if self.actor.error is not None:
+            self.raise_actor_error()
 
-    def on_episode(self, episode):
-        self.finished.append(episode)  # from the actor's thread in async mode: counted in the main thread
+    def maintain(self):
+        """Between two steps: count what was collected, evaluate, log and save when due."""
+        self.count()
+        evaluated = self.evaluates and self.schedules["eval"](self.frames)
+        if evaluated:
+            self.evaluate()
+        self.progress.update(self.frames)
+        # The log before the save: a run resumed from this checkpoint neither logs this frame again
+        # nor loses the metrics of the updates since the last log.
+        if self.schedules["log"](self.frames):
+            self.log()
+        if evaluated or self.agreement.save_due:  # save_every: due on any rank, agreed at the last update
+            self.save()
+        self.stop_if_asked()
 
-    def count_episodes(self):
-        while self.finished:
-            episode = self.finished.popleft()
-            self.counters.episodes += 1
-            self.counters.stored_steps += len(episode["reward"]) - 1
-            self.run_log.add_episode(episode)
+    # -- collecting and counting ----------------------------------------------------------------------
 
     def collect(self, policy):
         if self.collector is None:  # offline: time advances as if the agent were collecting
@@ -545,6 +555,49 @@ class Trainer:
         except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
             self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
             raise
+
+    def count(self):
+        """Count what collection handed over: the collector thread's steps (a synchronous step is counted
+        where it is taken, `collect`) and the episodes finished since the last count."""
+        if self.actor is not None:
+            for steps, episodes in self.actor.take():
+                self.counters.policy_steps += steps
+                self.finished.extend(episodes)
+        while self.finished:
+            episode = self.finished.popleft()
+            self.counters.episodes += 1
+            self.counters.stored_steps += len(episode["reward"]) - 1
+            self.run_log.add_episode(episode)
+
+    def mode(self, frames):
+        """The training policy's mode at `frames`: exploring until expl_until."""
+        config = self.config
+        explore = config.expl_behavior != "greedy" and (not config.expl_until or frames < config.expl_until)
+        return "explore" if explore else "train"
+
+    def policy(self, obs, state):
+        """The learner's training policy; with compile on, its first call (it compiles) is a phase."""
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state, self.mode(self.frames))
+
+    def actor_policy(self, obs, state):
+        """The collector thread's: the agent's copy, at the frames that thread counted."""
+        return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
+
+    def sync_actor(self):
+        with self.actor.policy_lock:
+            self.actor_agent.load_state_dict(self.agent.state_dict())
+        self.synced = self.counters.updates
+
+    def raise_actor_error(self):
+        """The collector thread's error, in the learner's thread; a ValueError as `collect` words it."""
+        error = self.actor.error
+        if isinstance(error, ValueError):  # its weights are the learner's, copied
+            self.raise_non_finite(error, f"in the actor's policy step at frame {self.frames}")
+        raise error
+
+    def stop_collection(self):
+        if self.actor is not None:
+            self.actor.close()
 
     def raise_non_finite(self, error, where):
         """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
@@ -557,19 +610,12 @@ class Trainer:
         bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
         kept = self.checkpoints.kept()
         if bad:
-            raise NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
-                                 f"{self.counters.updates}); the run stops without saving ({kept})") from None
+            raise storage.NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
+                                         f"{self.counters.updates}); the run stops without saving ({kept})") from None
         if isinstance(error, parallel.NonFiniteStep):
-            raise NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
+            raise storage.NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
 
-    def policy(self, obs, state, agent=None):
-        """The training policy of `agent` (the learner's by default): exploring until expl_until."""
-        config = self.config
-        explore = config.expl_behavior != "greedy" and (not config.expl_until or self.frames < config.expl_until)
-        mode = "explore" if explore else "train"
-        if agent is not None:  # the asynchronous actor's copy, never compiled
-            return agent.policy(obs, state, mode)
-        return self.announce_compilation("first policy step", self.agent.policy, obs, state, mode)
+    # -- learning -------------------------------------------------------------------------------------
 
     def announce_compilation(self, name, fn, *args):
         """fn(*args); with compile on, the first call of each kind (it compiles) is a phase of its own."""
@@ -598,33 +644,49 @@ class Trainer:
                 phase.update(i + 1)
             self.run_log.record(metrics)
 
-    def train(self):
-        """Prefill and pretrain, then the loop (`SyncLoop` or `AsyncLoop`) until `steps` frames."""
-        self.run_log.open()
+    # -- logging, evaluating, saving ------------------------------------------------------------------
+
+    def log(self):
+        self.run_log.check_losses()
+        self.count()
+        perf = {f"{name}_busy" if name in ("learner", "env") else name: value
+                for name, value in self.stopwatch.fractions().items()}
+        if self.actor is not None:
+            perf["policy_lag"] = self.counters.updates - self.synced
+        self.run_log.log(perf)
+
+    def evaluate(self):
         try:
-            with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
-                if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
-                    prefill_and_pretrain(self)
-                self.loop.run()
-                # The end evaluates and logs, and counts as the schedules' turn where one is due: a
-                # run continued from here with more --steps does not do them again at this frame.
-                self.schedules["eval"](self.frames)
-                self.schedules["log"](self.frames)
-                if self.evaluates:
-                    self.evaluate()
-                self.log()
-                self.loop.close()
-                self.counters.completed = self.config.steps
-                self.save()
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
-            self.loop.close()  # the actor stops first, so that the checkpoint is taken between two steps
-            self.save_on_interrupt()
+            mean_return = self.evaluation.run(self.run_log.logger)
+        except ValueError as e:  # as in collect
+            self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
             raise
-        except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
-            raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
-        finally:
-            self.loop.close()  # after any other error too: no thread outlives the run
-            self.run_log.close()
+        if mean_return is not None:
+            self.progress.update(self.frames, eval_return=mean_return)
+
+    def save(self):
+        self.run_log.check_losses()
+        # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
+        with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
+            self.count()
+            if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
+                self.counters.stored_steps = storage.stored_steps(self.traindir)
+            state = self.checkpoints.state()
+        self.checkpoints.write(state)
+        self.agreement.saved()
+
+    def save_on_interrupt(self):
+        if self.checkpoints.saved_at == (self.frames, self.counters.updates):  # a stop the ranks agreed on saved
+            return
+        if self.ranks.world_size > 1:
+            # A second signal: saving gathers from every rank, and each stopped at its own point.
+            print(f"Not saved: a second signal stops every rank at once ({self.checkpoints.kept()}).",
+                  file=sys.stderr, flush=True)
+            return
+        try:
+            self.save()
+        except (storage.NonFiniteError, storage.WriteError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
 
     def stop_if_asked(self):
         """Under torchrun: once the ranks agreed on a stop (Agreement), save together and end as the
@@ -632,25 +694,6 @@ class Trainer:
         if self.agreement.stop_code:
             self.save()
             raise self.agreement.stops.exception(self.agreement.stop_code)
-
-    def maintain(self):
-        """What both loops do between steps: count finished episodes, evaluate, log."""
-        self.count_episodes()
-        evaluated = self.evaluates and self.schedules["eval"](self.frames)
-        if evaluated:
-            self.evaluate()
-        self.progress.update(self.frames)
-        # The log before the save: a run resumed from this checkpoint neither logs this frame again
-        # nor loses the metrics of the updates since the last log.
-        if self.schedules["log"](self.frames):
-            self.log()
-        if evaluated or self.agreement.save_due:  # save_every: due on any rank, agreed at the last update
-            self.save()
-        self.stop_if_asked()
-
-# ==================================================================================================
-# The loops: synchronous and asynchronous collection
-# ==================================================================================================
 
 
 def prefill_and_pretrain(trainer):
@@ -706,283 +749,6 @@ def agent_prefill(trainer):
 PREFILLS = {"random": random_prefill, "agent": agent_prefill}  # by config.prefill_policy
 
 
-class SyncLoop:
-    """Collect one step in every environment, then make the updates the train ratio owes; repeat.
-
-    The learner waits while the environments step and the environments while the learner trains.
-    """
-
-    waits = ()
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        config = trainer.config
-        self.schedule = tools.Ratio(config.train_ratio, tools.replayed_per_update(config))
-
-    def run(self):
-        trainer = self.trainer
-        while trainer.frames < trainer.config.steps:
-            trainer.maintain()
-            with trainer.stopwatch.time("env"):
-                trainer.collect(trainer.policy)
-            with trainer.stopwatch.time("learner"):
-                trainer.update(self.schedule(trainer.counters.policy_steps))
-
-    def between_steps(self):
-        return contextlib.nullcontext()
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
-
-
-class AsyncLoop:
-    """The learner trains in the calling thread while an actor thread steps every environment under
-    one batched call of a copy of the policy, refreshed every `actor_sync_every` updates.
-
-    A `tools.SamplesPerInsert` limiter holds the train ratio within `ratio_tolerance` updates: the
-    learner waits when it runs ahead, the actor when the learner falls behind. The actor thread uses
-    one torch thread; the learner keeps its own (README, Going faster).
-    """
-
-    waits = ("learner_wait", "env_wait")
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        config = trainer.config
-        self.schedule = tools.SamplesPerInsert(config.train_ratio, tools.replayed_per_update(config),
-                                               config.ratio_tolerance)
-        self.stop, self.done = threading.Event(), threading.Event()
-        self.step_lock = threading.Lock()  # held by the actor from a step until its steps are counted
-        self.policy_lock = threading.Lock()  # the actor's weights change only between its policy calls
-        self.thread = self.actor = self.error = None
-        self.synced = None
-
-    def run(self):
-        trainer, config = self.trainer, self.trainer.config
-        self.schedule.load_state_dict({"updates": self.schedule.updates, "inserts": trainer.counters.policy_steps})
-        self.start_actor()
-        while not (self.done.is_set() and not self.schedule.can_sample()):
-            trainer.maintain()
-            if self.error is not None:
-                self.raise_error()
-            with trainer.stopwatch.time("learner_wait"):
-                if not self.schedule.wait_sample(timeout=0.05):
-                    continue
-            with trainer.stopwatch.time("learner"):
-                trainer.update(1)
-            self.schedule.sampled()
-            if trainer.counters.updates - self.synced >= config.actor_sync_every:
-                self.sync_actor()
-        if self.error is not None:
-            self.raise_error()
-
-    def raise_error(self):
-        """The actor thread's error, in the learner's thread; a ValueError as Trainer.collect words it."""
-        if isinstance(self.error, ValueError):  # its weights are the learner's, copied
-            self.trainer.raise_non_finite(self.error, f"in the actor's policy step at frame {self.trainer.frames}")
-        raise self.error
-
-    def start_actor(self):
-        trainer, config = self.trainer, self.trainer.config
-        env = trainer.train_envs[0]
-        self.actor = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))
-        self.actor.to(config.device).requires_grad_(False)
-        self.sync_actor()
-        print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
-              f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
-              "updates", flush=True)
-        self.thread = threading.Thread(target=self.act, name="actor", daemon=True)
-        self.thread.start()
-
-    def act(self):
-        """The actor thread: step all environments while the limiter allows, until `steps` frames."""
-        trainer, config = self.trainer, self.trainer.config
-        # Intra-op threads are set per thread: the policy on a few observations gets one, and the
-        # learner keeps all of its own (the learner on cores - 1 threads, switched to all while the actor
-        # waited, measured ~1.5x slower updates than sync on 2 cores).
-        torch.set_num_threads(1)
-        try:
-            while not self.stop.is_set() and trainer.frames < config.steps:
-                with trainer.stopwatch.time("env_wait"):
-                    if not self.schedule.wait_insert(timeout=0.05):
-                        continue
-                with self.step_lock, trainer.stopwatch.time("env"):
-                    steps = trainer.collector.step(self.policy)
-                    trainer.counters.policy_steps += steps
-                    self.schedule.inserted(steps)
-        except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, raised there
-            self.error = e
-        finally:
-            self.schedule.finish()  # the learner makes the updates still owed, then stops
-            self.done.set()
-
-    def policy(self, obs, state):
-        with self.policy_lock:
-            return self.trainer.policy(obs, state, self.actor)
-
-    def sync_actor(self):
-        with self.policy_lock:
-            self.actor.load_state_dict(self.trainer.agent.state_dict())
-        self.synced = self.trainer.counters.updates
-    def between_steps(self):
-        return self.step_lock
-
-    def stats(self):
-        return {"policy_lag": self.trainer.counters.updates - (self.synced or 0)}
-
-    def close(self):
-        """Stop the actor thread (Ctrl-C, an error, or the end); the environments are closed by main."""
-        self.stop.set()
-        self.schedule.close()
-        if self.thread is not None:
-            self.thread.join()
-
-
-LOOPS = {False: SyncLoop, True: AsyncLoop}  # by config.asynchronous
-
-# ==================================================================================================
-# Checkpoints
-# ==================================================================================================
-
-
-class Checkpoints:
-    """A run's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
-
-    A save holds the agent and its optimizers, the counters, the schedules and the random state of
-    every rank, the replay's sampler included (gathered on the main process, which alone writes).
-    Non-finite values are never saved.
-    """
-
-    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")  # what state() holds and restore() reads
-
-    def __init__(self, path, config, agent, counters, schedules, replay, ranks):
-        self.path, self.config, self.agent, self.counters = path, config, agent, counters
-        self.schedules, self.replay, self.ranks = schedules, replay, ranks
-        self.saved_frames = None  # frame of the checkpoint on disk
-        self.saved_at = None  # (frames, updates) of the last save of this run
-
-    @property
-    def frames(self):
-        return self.counters.policy_steps * self.config.action_repeat
-
-    def kept(self):
-        """What a refused save leaves on disk, for its error message."""
-        return f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
-
-    def resume(self, traindir):
-        """Load the checkpoint (or the previous one) and count every frame stored in `traindir` (None:
-        offline, nothing stored). Returns (whether it resumed, lines for the start-up summary)."""
-        config, counters, ranks = self.config, self.counters, self.ranks
-        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (storage.resume_checkpoint)
-            state, path, found = storage.resume_checkpoint(self.path, config.device, self.KEYS)
-        ranks.barrier()
-        if not ranks.is_main:
-            state, path, found = storage.load_checkpoint_or_previous(self.path, config.device, self.KEYS)
-        notes = [f"WARNING: {note}" for note in found]
-        stored = 0 if traindir is None else storage.stored_steps(traindir)
-        if state is None:
-            counters.stored_steps = stored
-            # Episodes of a run killed before its first checkpoint count towards the budget.
-            counters.policy_steps = stored
-            if stored:
-                notes.append(f"WARNING: no checkpoint in {self.path.parent}, but {traindir} holds "
-                             f"{stored * config.action_repeat} frames of episodes: training starts from "
-                             "fresh weights and the frame count continues from them")
-            return False, notes
-        networks.split_merged_outputs(self.agent, state["agent"])
-        storage.check_fits(self.agent, state["agent"], path)
-        saved_ranks = state.get("world_size", 1)
-        if saved_ranks != ranks.world_size:
-            raise tools.ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
-                                    f"{ranks.world_size}: resuming with another number of processes is not "
-                                    f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
-                                    "or another --logdir")
-        changes = self.restore(state)
-        notes += self.restore_replay(state)
-        self.saved_frames = self.frames
-        if changes:
-            notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
-        # After a kill -9, episodes and chunks written after the checkpoint are in replay; their
-        # frames were spent, so the budget counts them (the steps of a running episode not yet in a
-        # chunk at the save, at most chunk_size per environment, may count twice).
-        rank = ranks.rank
-        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"].get("stored_steps", stored)
-        extra = stored - saved
-        counters.stored_steps = stored
-        if extra > 0:
-            counters.policy_steps += extra
-            notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
-                         f"checkpoint (frame {self.saved_frames})")
-        return True, notes
-
-    def state(self):
-        """What a save writes, gathered from every rank (call it on all of them at once): the state on
-        the main process, None on the others, which write nothing."""
-        counters, schedules, ranks = self.counters, self.schedules, self.ranks
-        # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
-        own = ranks.gather_object({"rng": launch.rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
-                                   "replay": self.replay.context_state(list(self.agent.context.spec))})
-        if not ranks.is_main:
-            self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
-            return None
-        return {
-            "agent": self.agent.state_dict(),
-            "optimizers": self.agent.optimizer_state(),
-            "counters": dict(vars(counters)),
-            "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
-                          "eval": schedules["eval"].last},
-            "rng": own[0]["rng"],
-            "replay": own[0]["replay"],  # the written-back latents and the online queue (Replay.context_state)
-            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng, stored_steps and replay
-            "world_size": ranks.world_size,
-        }
-
-    def write(self, state):
-        """Write `state` (from state(); None on a rank other than the main one: nothing to do)."""
-        if state is None:
-            return
-        try:
-            storage.save_checkpoint(self.path, state)  # refuses non-finite values
-        except storage.CheckpointError:
-            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
-                                 f"the run stops without saving ({self.kept()})") from None
-        self.saved_frames = self.frames
-        self.saved_at = (self.frames, self.counters.updates)
-
-    def restore(self, state):
-        """Returns the optimizer settings of this config that replaced differing saved ones."""
-        self.agent.load_state_dict(state["agent"])
-        changes = self.agent.load_optimizer_state(state["optimizers"])
-        vars(self.counters).update(state["counters"])
-        self.schedules["train"].load_state_dict(state["schedules"]["train"])
-        self.schedules["log"].last = state["schedules"]["log"]
-        self.schedules["eval"].last = state["schedules"]["eval"]
-        rank = self.ranks.rank
-        own = state["ranks"][rank - 1] if rank else state
-        launch.set_rng_state(own["rng"], self.replay.rng)
-        return changes
-
-    def restore_replay(self, state):
-        """The replay's latents and online queue (Replay.context_state) over the steps the episode files
-        reloaded; a line for the summary when some could not be placed."""
-        rank = self.ranks.rank
-        saved = (state["ranks"][rank - 1] if rank else state).get("replay")
-        if saved is None:  # saved before checkpoints kept it
-            return ["WARNING: the checkpoint holds no replay state (saved by an earlier version): the replay's "
-                    "latents are the episode files' and its online queue starts empty"]
-        missed = self.replay.load_context_state(saved)
-        return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
-                "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
-                "policy's, stand in)"] if missed else []
-
-
-class NonFiniteError(RuntimeError):
-    """A loss or weight went NaN or infinite: the run stops without saving."""
-
-
 class Interrupted(KeyboardInterrupt):
     """SIGTERM (what cluster schedulers send before a kill), handled like Ctrl-C."""
 
@@ -991,196 +757,24 @@ def raise_interrupted(signum, frame):
     raise Interrupted()
 
 
-# ==================================================================================================
-# The run log
-# ==================================================================================================
-
-
-class RunLog:
-    """A run's logs: the logger and progress display, the update metrics averaged per log, the
-    episodes finished since then, and the end on a non-finite loss. Only the main process writes
-    logs (the others get a NullLogger). `kept` says what the checkpoint on disk holds (Checkpoints.kept)."""
-
-    def __init__(self, config, logdir, agent, counters, ranks, tasks, replay, collector, kept):
-        self.config, self.logdir, self.agent, self.counters, self.ranks = config, logdir, agent, counters, ranks
-        self.tasks, self.replay, self.collector, self.kept = tasks, replay, collector, kept
-        self.metrics = {}  # name: [value per update since the last log]
-        self.recent_episodes = []
-        self.logger = self.progress = None  # made by open(), at the start of training
-        self.last_log = (time.time(), counters.policy_steps, counters.updates)
-
-    @property
-    def frames(self):
-        return self.counters.policy_steps * self.config.action_repeat
-
-    def open(self):
-        config = self.config
-        self.logger = (logs.Logger(self.logdir, self.frames, config.logger, config.to_dict())
-                       if self.ranks.is_main else logs.NullLogger())
-        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
-        self.progress = logs.Progress(config.steps, self.frames)
-
-    def close(self):
-        self.progress.close()
-        self.logger.close()
-
-    def record(self, metrics):
-        for key, value in metrics.items():
-            self.metrics.setdefault(key, []).append(value)
-
-    def add_episode(self, episode):
-        self.recent_episodes.append(episode)
-        stats = logs.episode_stats(episode)
-        self.logger.scalar("train/return", stats["return"])
-        self.logger.scalar("train/length", stats["length"])
-        if len(self.tasks) > 1:  # beside the mean over all tasks
-            task = next(iter(logs.by_task(self.tasks, [episode])))
-            self.logger.scalar(f"train/{task}/return", stats["return"])
-            self.logger.scalar(f"train/{task}/length", stats["length"])
-        self.progress.update(self.frames, train_return=stats["return"])
-
-    def log(self, perf):
-        """Write the metrics since the last log, with `perf` ({name: fraction or count}: the learner's
-        and the environments' busy time and the loop's own figures) under perf/."""
-        config, counters = self.config, self.counters
-        now, steps, frames = time.time(), counters.policy_steps, self.frames
-        for key, values in self.metrics.items():
-            self.logger.scalar(logs.metric_name(key), torch.stack(values).float().mean())
-        self.metrics.clear()
-        seconds = max(now - self.last_log[0], 1e-9)
-        fps = (steps - self.last_log[1]) * config.action_repeat / seconds
-        updates_per_s = (counters.updates - self.last_log[2]) / seconds
-        for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
-                           ("replay_steps", len(self.replay))):
-            self.logger.scalar(f"perf/{key}", value)
-        if steps > self.last_log[1]:  # replayed steps per policy step since the last log
-            ratio = (counters.updates - self.last_log[2]) * tools.replayed_per_update(config)
-            self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
-        for key, value in perf.items():
-            self.logger.scalar(f"perf/{key}", value)
-        self.logger.scalar("train/episodes", counters.episodes)
-        if self.collector is not None:
-            self.logger.scalar("train/dropped_episodes", self.collector.dropped)
-            self.log_env_status()
-        logs.log_episode_metrics(self.logger, "train", self.tasks, self.recent_episodes)
-        self.log_task_frames(frames)
-        self.recent_episodes.clear()
-        if films_predictions(config, self.agent, self.ranks, self.replay):
-            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
-            self.logger.video("train/openl", self.agent.wm.video_pred(batch))
-        self.logger.write(frames)
-        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=perf["learner_busy"],
-                             env_busy=perf["env_busy"])
-        self.progress.log(frames)
-        self.last_log = (now, steps, counters.updates)
-
-    def log_task_frames(self, frames):
-        """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
-        read against single-task runs at the same frames per task (benchmarks/plot.py does). Exact:
-        every environment steps once per policy step, and every rank spreads its environments alike."""
-        if len(self.tasks) < 2 or self.collector is None:
-            return
-        counts = collections.Counter(self.collector.tasks)
-        for index, task in enumerate(self.tasks):
-            self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(self.collector.tasks))
-
-    def log_env_status(self):
-        """What each environment is doing: scalars env/<i>/... in the metrics, and, when the progress
-        goes to a log file, one line for all of them (env_status_line)."""
-        rows = self.collector.status()
-        for i, row in enumerate(rows):
-            for key, value in row.items():
-                if np.isfinite(value):
-                    self.logger.scalar(f"env/{i}/{key}", value)
-        if not self.progress.interactive:
-            print(logs.env_status_line(rows), flush=True)
-
-    def check_losses(self):
-        """End the run on a non-finite loss among the updates since the last log. Checked here and
-        before every save, not per update: one device sync per log instead of one per update."""
-        losses = {key: torch.stack(values) for key, values in self.metrics.items() if key.endswith("_loss")}
-        if not losses or tools.all_finite(losses):
-            return
-        first = {}
-        for key, values in losses.items():
-            bad = (~torch.isfinite(values.float())).nonzero()
-            if len(bad):
-                index = int(bad[0])
-                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
-        key = min(first, key=lambda k: first[k][0])
-        update, value = first[key]
-        raise NonFiniteError(f"non-finite {logs.metric_name(key)} ({value}) at update {update}; the run stops "
-                             f"without saving ({self.kept()})")
-
-
-def films_predictions(config, agent, ranks, replay):
-    """Open-loop videos (the main process alone writes them) need an image decoder and a full sequence to show."""
-    return (ranks.is_main and config.video_pred_log and bool(agent.wm.heads["decoder"].cnn_shapes)
-            and replay.ready(config.batch_length))
-
-
-class Evaluation:
-    """Evaluation during training, every eval_every frames: eval_episode_num episodes of the
-    evaluation policy on the main process's evaluation environments, stored in `evaldir` and in
-    the evaluation replay (`replay`, which the open-loop video samples)."""
-
-    def __init__(self, config, agent, eval_envs, evaldir, replay, ranks):
-        self.config, self.agent, self.envs, self.evaldir, self.replay = config, agent, eval_envs, evaldir, replay
-        self.ranks = ranks
-
-    @property
-    def enabled(self):
-        """Whether the run evaluates (the same on every rank; only the main one has evaluation environments)."""
-        return self.config.eval_episode_num > 0 and (bool(self.envs) or not self.ranks.is_main)
-
-    def run(self, logger):
-        """The episodes, logged; returns their mean return (None on another rank than the main one,
-        which waits at the save that follows)."""
-        config = self.config
-        if not self.envs:
-            return None
-        episodes = parallel.run_episodes(self.agent, self.envs, config.eval_episode_num, self.evaldir)
-        for episode in episodes:
-            self.replay.add_episode(storage.strip_logs(episode))
-        returns = logs.log_evaluation(logger, episodes, config)
-        if films_predictions(config, self.agent, self.ranks, self.replay):
-            batch = self.agent.wm.preprocess(self.replay.sample(6, config.batch_length))
-            logger.video("eval/openl", self.agent.wm.video_pred(batch))
-        return float(np.mean(returns))
-
 
 # ==================================================================================================
-# Evaluation
+# --eval_only
 # ==================================================================================================
 
 
 def evaluate_checkpoint(config, agent, logdir, eval_envs):
-    """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/."""
+    """--eval_only: load latest.pt, run eval_episode_num episodes, write only into logdir/eval_only/
+    (logs.write_eval_only)."""
     state, path, notes = storage.load_checkpoint_or_previous(logdir / "latest.pt", config.device, ("agent", "counters"))
     for note in notes:
         print(f"WARNING: {note}", flush=True)
-    networks.split_merged_outputs(agent, state["agent"])
+    storage.check_format(state, path)
     storage.check_fits(agent, state["agent"], path)
     agent.load_state_dict(state["agent"])
     episodes = parallel.run_episodes(agent, eval_envs, config.eval_episode_num, None)
-    returns = [logs.episode_stats(e)["return"] for e in episodes]
-    out = logdir / "eval_only"
-    out.mkdir(exist_ok=True)
-    result = {"frame": state["counters"]["policy_steps"] * config.action_repeat, "returns": returns,
-              "mean": float(np.mean(returns)), "std": float(np.std(returns))}
-    tasks = envs.parse_tasks(config.task)
-    if len(tasks) > 1:
-        result["tasks"] = {}
-        for task, group in logs.by_task(tasks, episodes).items():
-            task_returns = [logs.episode_stats(e)["return"] for e in group]
-            result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
-                                     "std": float(np.std(task_returns))}
-    storage.atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
-    if "image" in episodes[0]:
-        logs.write_mp4(out / "episode.mp4", episodes[0]["image"])
-    print(f"Evaluated {len(returns)} episodes at frame {result['frame']}: "
-          f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
-    return result
+    frame = state["counters"]["policy_steps"] * config.action_repeat
+    return logs.write_eval_only(logdir / "eval_only", episodes, frame, envs.parse_tasks(config.task))
 
 
 if __name__ == "__main__":

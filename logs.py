@@ -5,8 +5,11 @@
    pretraining, compilation) that never pass a minute in silence, the environments' status line.
 3. Metric names and episode statistics: the TensorBoard groups of the update's metrics, episode
    returns and lengths, per task, and the evaluation's scalars.
+4. A run's log and its evaluation: the metrics averaged per log, the episodes since then and the
+   end on a non-finite loss (RunLog), the evaluation during training (Evaluation) and the files
+   of --eval_only (write_eval_only).
 
-Nothing here knows about the world model.
+Nothing here knows about the world model: its open-loop predictions come as a callable.
 """
 
 import collections
@@ -26,8 +29,8 @@ import numpy as np
 import torch
 
 import envs
-from storage import atomic_write_bytes
-from tools import ConfigError
+from storage import NonFiniteError, atomic_write_bytes, strip_logs
+from tools import ConfigError, all_finite, replayed_per_update
 
 # ==================================================================================================
 # Back ends: TensorBoard, metrics.jsonl, metrics.csv, W&B
@@ -554,3 +557,181 @@ def log_evaluation(logger, episodes, config):
     if config.video_pred_log and "image" in episodes[0]:
         logger.video("eval/policy", episodes[0]["image"][None])
     return returns
+
+
+# ==================================================================================================
+# A run's log and its evaluation
+# ==================================================================================================
+
+
+def film_predictions(logger, name, predict, replay, length):
+    """The open-loop video `name`: `predict` (the world model's, on a batch of the replay; None where
+    none is filmed: no image decoder, video_pred_log off, or not the main process, which alone writes
+    videos) on 6 sequences of `length` steps of `replay`, once it holds one to show."""
+    if predict is not None and replay.ready(length):
+        logger.video(name, predict(replay.sample(6, length)))
+
+
+class RunLog:
+    """A run's logs: the logger and progress display, the update metrics averaged per log, the
+    episodes finished since then, and the end on a non-finite loss. Only the main process writes
+    logs (the others get a NullLogger). It reads the run's `counters` (dreamer.Counters), the
+    `collector`'s status (parallel.Collector; None offline), `kept` says what the checkpoint on disk
+    holds (storage.Checkpoints.kept) and `predict` films the open-loop video (film_predictions)."""
+
+    def __init__(self, config, logdir, counters, ranks, tasks, replay, collector, kept, predict):
+        self.config, self.logdir, self.counters, self.ranks = config, logdir, counters, ranks
+        self.tasks, self.replay, self.collector, self.kept, self.predict = tasks, replay, collector, kept, predict
+        self.metrics = {}  # name: [value per update since the last log]
+        self.recent_episodes = []
+        self.logger = self.progress = None  # made by open(), at the start of training
+        self.last_log = (time.time(), counters.policy_steps, counters.updates)
+
+    @property
+    def frames(self):
+        return self.counters.policy_steps * self.config.action_repeat
+
+    def open(self):
+        config = self.config
+        self.logger = (Logger(self.logdir, self.frames, config.logger, config.to_dict())
+                       if self.ranks.is_main else NullLogger())
+        self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
+        self.progress = Progress(config.steps, self.frames)
+
+    def close(self):
+        self.progress.close()
+        self.logger.close()
+
+    def record(self, metrics):
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append(value)
+
+    def add_episode(self, episode):
+        self.recent_episodes.append(episode)
+        stats = episode_stats(episode)
+        self.logger.scalar("train/return", stats["return"])
+        self.logger.scalar("train/length", stats["length"])
+        if len(self.tasks) > 1:  # beside the mean over all tasks
+            task = next(iter(by_task(self.tasks, [episode])))
+            self.logger.scalar(f"train/{task}/return", stats["return"])
+            self.logger.scalar(f"train/{task}/length", stats["length"])
+        self.progress.update(self.frames, train_return=stats["return"])
+
+    def log(self, perf):
+        """Write the metrics since the last log, with `perf` ({name: fraction or count}: the learner's
+        and the environments' busy time and the loop's own figures) under perf/."""
+        config, counters = self.config, self.counters
+        now, steps, frames = time.time(), counters.policy_steps, self.frames
+        for key, values in self.metrics.items():
+            self.logger.scalar(metric_name(key), torch.stack(values).float().mean())
+        self.metrics.clear()
+        seconds = max(now - self.last_log[0], 1e-9)
+        fps = (steps - self.last_log[1]) * config.action_repeat / seconds
+        updates_per_s = (counters.updates - self.last_log[2]) / seconds
+        for key, value in (("fps", fps), ("updates_per_s", updates_per_s), ("updates", counters.updates),
+                           ("replay_steps", len(self.replay))):
+            self.logger.scalar(f"perf/{key}", value)
+        if steps > self.last_log[1]:  # replayed steps per policy step since the last log
+            ratio = (counters.updates - self.last_log[2]) * replayed_per_update(config)
+            self.logger.scalar("perf/train_ratio", ratio / (steps - self.last_log[1]))
+        for key, value in perf.items():
+            self.logger.scalar(f"perf/{key}", value)
+        self.logger.scalar("train/episodes", counters.episodes)
+        if self.collector is not None:
+            self.logger.scalar("train/dropped_episodes", self.collector.dropped)
+            self.log_env_status()
+        log_episode_metrics(self.logger, "train", self.tasks, self.recent_episodes)
+        self.log_task_frames(frames)
+        self.recent_episodes.clear()
+        film_predictions(self.logger, "train/openl", self.predict, self.replay, config.batch_length)
+        self.logger.write(frames)
+        self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=perf["learner_busy"],
+                             env_busy=perf["env_busy"])
+        self.progress.log(frames)
+        self.last_log = (now, steps, counters.updates)
+
+    def log_task_frames(self, frames):
+        """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
+        read against single-task runs at the same frames per task (benchmarks/plot.py does). Exact:
+        every environment steps once per policy step, and every rank spreads its environments alike."""
+        if len(self.tasks) < 2 or self.collector is None:
+            return
+        counts = collections.Counter(self.collector.tasks)
+        for index, task in enumerate(self.tasks):
+            self.logger.scalar(f"train/{task}/frames", frames * counts[index] / len(self.collector.tasks))
+
+    def log_env_status(self):
+        """What each environment is doing: scalars env/<i>/... in the metrics, and, when the progress
+        goes to a log file, one line for all of them (env_status_line)."""
+        rows = self.collector.status()
+        for i, row in enumerate(rows):
+            for key, value in row.items():
+                if np.isfinite(value):
+                    self.logger.scalar(f"env/{i}/{key}", value)
+        if not self.progress.interactive:
+            print(env_status_line(rows), flush=True)
+
+    def check_losses(self):
+        """End the run on a non-finite loss among the updates since the last log. Checked here and
+        before every save, not per update: one device sync per log instead of one per update."""
+        losses = {key: torch.stack(values) for key, values in self.metrics.items() if key.endswith("_loss")}
+        if not losses or all_finite(losses):
+            return
+        first = {}
+        for key, values in losses.items():
+            bad = (~torch.isfinite(values.float())).nonzero()
+            if len(bad):
+                index = int(bad[0])
+                first[key] = (self.counters.updates - len(values) + index + 1, float(values[index]))
+        key = min(first, key=lambda k: first[k][0])
+        update, value = first[key]
+        raise NonFiniteError(f"non-finite {metric_name(key)} ({value}) at update {update}; the run stops "
+                             f"without saving ({self.kept()})")
+
+
+class Evaluation:
+    """Evaluation during training, every eval_every frames: `run_episodes()` plays eval_episode_num
+    episodes of the evaluation policy on the main process's evaluation environments (None where it
+    has none) and stores them; they go into the evaluation replay (`replay`, which the open-loop
+    video of `predict` samples: film_predictions)."""
+
+    def __init__(self, config, run_episodes, replay, is_main, predict):
+        self.config, self.run_episodes, self.replay = config, run_episodes, replay
+        self.is_main, self.predict = is_main, predict
+
+    @property
+    def enabled(self):
+        """Whether the run evaluates (the same on every rank; only the main one has evaluation environments)."""
+        return self.config.eval_episode_num > 0 and (self.run_episodes is not None or not self.is_main)
+
+    def run(self, logger):
+        """The episodes, logged; returns their mean return (None on another rank than the main one,
+        which waits at the save that follows)."""
+        if self.run_episodes is None:
+            return None
+        episodes = self.run_episodes()
+        for episode in episodes:
+            self.replay.add_episode(strip_logs(episode))
+        returns = log_evaluation(logger, episodes, self.config)
+        film_predictions(logger, "eval/openl", self.predict, self.replay, self.config.batch_length)
+        return float(np.mean(returns))
+
+
+def write_eval_only(out, episodes, frame, tasks):
+    """--eval_only's files in `out`: returns.json (each return, their mean and std, per task with
+    several `tasks`) and the first episode's episode.mp4; one line says so. Returns what returns.json holds."""
+    returns = [episode_stats(e)["return"] for e in episodes]
+    out.mkdir(exist_ok=True)
+    result = {"frame": frame, "returns": returns, "mean": float(np.mean(returns)), "std": float(np.std(returns))}
+    if len(tasks) > 1:
+        result["tasks"] = {}
+        for task, group in by_task(tasks, episodes).items():
+            task_returns = [episode_stats(e)["return"] for e in group]
+            result["tasks"][task] = {"returns": task_returns, "mean": float(np.mean(task_returns)),
+                                     "std": float(np.std(task_returns))}
+    atomic_write_bytes(out / "returns.json", json.dumps(result, indent=2).encode())
+    if "image" in episodes[0]:
+        write_mp4(out / "episode.mp4", episodes[0]["image"])
+    print(f"Evaluated {len(returns)} episodes at frame {frame}: "
+          f"return {result['mean']:.1f} ± {result['std']:.1f}; wrote {out}")
+    return result

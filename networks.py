@@ -203,26 +203,6 @@ class SplitLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], -1)
 
 
-
-def split_merged_outputs(module, state):
-    """Cut the merged output weights of a checkpoint written before the SplitLinear layers (one matrix
-    for the actor's mean and std, one for all vector keys of the decoder) into the parts `module` has,
-    in place, so that such a checkpoint still fits and resumes. Returns the number of layers cut."""
-    cut = 0
-    for name, layer in module.named_modules():
-        if not isinstance(layer, SplitLinear):
-            continue
-        prefix = f"{name}." if name else ""
-        for kind in ("weight", "bias"):
-            merged = state.pop(prefix + kind, None)
-            if merged is None:
-                continue
-            cut += kind == "weight"
-            for i, piece in enumerate(merged.split(layer.sizes, 0)):
-                state[f"{prefix}parts.{i}.{kind}"] = piece
-    return cut
-
-
 class Head(nn.Module):
     """MLP followed by an output layer that parameterises a distribution.
 

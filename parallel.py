@@ -20,6 +20,7 @@ import functools
 import multiprocessing
 import os
 import pickle
+import queue
 import select
 import signal
 import sys
@@ -47,7 +48,7 @@ class Damy:
     With `own_thread`, the environment lives on a thread of its own: it is built, stepped and closed
     there, whichever thread calls, and several such environments step at the same time. Rendering
     contexts (MuJoCo's EGL) are bound to the thread that uses them, so an environment that the main
-    thread prefills and an actor thread then steps (dreamer.AsyncLoop) needs this.
+    thread prefills and an actor thread then steps (CollectorThread) needs this.
     """
 
     in_process = True  # it steps when asked, in the caller's process: parallel.Collector asks it last
@@ -603,6 +604,82 @@ class Collector:
                 in zip(self.env_steps, self.env_episodes, self.env_returns, self.env_restarts, marks, current, costs)]
         self.status_mark = (now, list(self.env_steps), current)
         return rows
+
+
+class CollectorThread:
+    """Asynchronous collection: a thread steps `collector` under `policy` while the `limiter`
+    (tools.SamplesPerInsert) allows, until `frames` frames, and hands each step's policy steps and
+    the episodes it finished to the learner through a queue (`take`): the learner alone counts
+    them. The thread owns the collector from `start` to `close` and counts its own steps
+    (`frames`, which its policy may read); `stopwatch` times its waits (env_wait) and steps (env).
+
+    A step holds `step_lock` until it is handed over: the learner takes the lock to find the
+    collection between two steps (a save's counters, limiter and episode files agree). Its
+    weights change only between policy calls (`policy_lock`). An error ends the thread and is
+    kept in `error`, for the learner to raise; the limiter then lets the learner make the updates
+    still owed.
+    """
+
+    def __init__(self, collector, policy, limiter, policy_steps, frames, stopwatch):
+        self.collector, self.policy, self.limiter, self.stopwatch = collector, policy, limiter, stopwatch
+        self.policy_steps, self.until = policy_steps, frames
+        self.handed = queue.Queue()  # (policy steps, [finished episodes]) per step
+        self.finished = []  # the episodes of the step under way
+        self.step_lock, self.policy_lock = threading.Lock(), threading.Lock()
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, name="actor", daemon=True)
+
+    @property
+    def frames(self):
+        return self.policy_steps * self.collector.action_repeat
+
+    def start(self):
+        self.collector.on_episode = self.finished.append
+        self.thread.start()
+
+    def take(self):
+        """What the thread handed over since the last call: (policy steps, finished episodes) per step."""
+        while True:
+            try:
+                yield self.handed.get_nowait()
+            except queue.Empty:
+                return
+
+    def _policy(self, obs, state):
+        with self.policy_lock:
+            return self.policy(obs, state)
+
+    def _run(self):
+        import torch
+
+        # Intra-op threads are set per thread: the policy on a few observations gets one, and the
+        # learner keeps all of its own (the learner on cores - 1 threads, switched to all while the actor
+        # waited, measured ~1.5x slower updates than sync on 2 cores).
+        torch.set_num_threads(1)
+        try:
+            while not self.stop.is_set() and self.frames < self.until:
+                with self.stopwatch.time("env_wait"):
+                    if not self.limiter.wait_insert(timeout=0.05):
+                        continue
+                with self.step_lock, self.stopwatch.time("env"):
+                    steps = self.collector.step(self._policy)
+                    self.policy_steps += steps
+                    self.limiter.inserted(steps)
+                    self.handed.put((steps, self.finished[:]))
+                    self.finished.clear()
+        except BaseException as e:  # noqa: BLE001 - handed to the learner's thread, raised there
+            self.error = e
+        finally:
+            self.limiter.finish()  # the learner makes the updates still owed, then stops
+            self.done.set()
+
+    def close(self):
+        """Stop the thread (Ctrl-C, an error, or the end); the environments are closed by their owner."""
+        self.stop.set()
+        self.limiter.close()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 def make_envs(config, mode, count, first=0, weights=None, processes=None):

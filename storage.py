@@ -9,11 +9,14 @@
 4. Checkpoint files: written so that a kill -9 at any instant leaves the newest complete one (the
    previous one kept, non-finite ones refused), recovered after a kill, loaded without running code
    from them (unsafe files refused), checked against the model; and the logdir's lock.
+5. A run's stored episodes and its checkpoint: what a run loads from its episode folders, and what
+   it saves, resumes and refuses (a checkpoint of another format).
 
 Every file is written through the atomic writes at the top (a temporary file, synced, renamed), which
 logs.py and the benchmarks use too; a write that fails is a WriteError naming the file.
 
-Nothing here knows about the world model or the environments.
+Nothing here knows about the world model or the environments: the agent is a module with
+optimizers, the spaces are the environments'.
 """
 
 import collections
@@ -34,6 +37,7 @@ import warnings
 import numpy as np
 import torch
 
+from launch import rng_state, set_rng_state
 from tools import ConfigError, all_finite, total_updates
 
 # ==================================================================================================
@@ -1187,3 +1191,194 @@ def check_fits(agent, saved, path):
     raise ConfigError(f"{path} does not fit this config ({len(differ)} shapes differ, {len(missing)} tensors "
                       f"missing, {len(unexpected)} unexpected; e.g. {example}): restore the size keys of the "
                       "saved config.yaml or use another --logdir")
+
+
+# ==================================================================================================
+# A run's stored episodes and its checkpoint
+# ==================================================================================================
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or weight went NaN or infinite: the run stops without saving."""
+
+
+class StoredEpisodes:
+    """A run's episode folders and what is loaded from them at the start: the training replay (from
+    traindir, or offline_traindir) and the evaluation replay (evaldir, or offline_evaldir, which
+    eval_openl samples). Files that do not fit the run's spaces (those of `env`; without one they
+    are taken on trust) are skipped with a warning and counted in `note`."""
+
+    def __init__(self, config, logdir, rank, env, context_spec):
+        self.traindir = pathlib.Path(config.traindir or logdir / "train_eps").expanduser()
+        if rank:  # rank 0 keeps the single-process folder, so its runs resume alike
+            self.traindir = self.traindir / f"rank{rank}"
+        self.evaldir = pathlib.Path(config.evaldir or logdir / "eval_eps").expanduser()
+        self.skipped = 0
+        # What a kill -9 left in the folders this run writes (the main process alone writes evaldir).
+        own = ([] if config.offline_traindir else [self.traindir]) + ([self.evaldir] if not rank else [])
+        self.recovered = [f"WARNING: {line}" for line in map(recover_episodes, own) if line]
+        spec = episode_spec(env.obs_space, env.act_space) if env is not None else None
+        # Each rank samples its own batches: seeds seed + 1 + rank * 1000 for ranks > 0 (seed + 1
+        # is the evaluation replay's).
+        self.replay = Replay(config.dataset_size, max(1, config.envs), config.seed + (1 + 1000 * rank if rank else 0),
+                             device=config.device if config.replay_device else None,
+                             online=config.batch_length + config.replay_context if config.replay_online else 0)
+        source = pathlib.Path(config.offline_traindir).expanduser() if config.offline_traindir else self.traindir
+        # Training episodes hold the policy's latents too when the replay context wants them.
+        train_spec = {**spec, **context_spec} if spec is not None else None
+        loaded_steps = 0
+        for i, episode in enumerate(load_episodes(source, config.dataset_size, train_spec, self.skip)):
+            self.replay.add_episode(strip_logs(episode), i % len(self.replay.streams))
+            loaded_steps += len(episode["reward"]) - 1
+        self.eval_replay = Replay(100 * config.batch_length, 1, config.seed + 1)
+        source = pathlib.Path(config.offline_evaldir).expanduser() if config.offline_evaldir else self.evaldir
+        for episode in load_episodes(source, 100 * config.batch_length, spec, self.skip):
+            self.eval_replay.add_episode(strip_logs(episode))
+        self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
+
+    def skip(self, filename, problem):
+        skip_warning(filename, problem)
+        self.skipped += 1
+
+
+# The layout of what Checkpoints saves. A checkpoint of another one is refused, not migrated: raise
+# it whenever a key is added, removed or changes its meaning.
+CHECKPOINT_FORMAT = 1
+
+
+def check_format(state, path):
+    """A checkpoint of another format than this version's (CHECKPOINT_FORMAT) ends the run in one line."""
+    found = state.get("format")
+    if found != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is a checkpoint of format {found if found is not None else 'none (older)'} and "
+                          f"this version reads format {CHECKPOINT_FORMAT} only: resume it with the version that "
+                          "saved it or use another --logdir")
+
+
+class Checkpoints:
+    """A run's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
+
+    A save holds the agent and its optimizers, the counters, the schedules ({"train", "log",
+    "eval"}) and the random state of every rank (`ranks`), the replay's sampler and context state
+    included (gathered on the main process, which alone writes). Non-finite values are never saved.
+    """
+
+    # What a loaded state must hold, or it is damaged and previous.pt is used (a format is checked after).
+    KEYS = ("agent", "optimizers", "counters", "schedules", "rng")
+
+    def __init__(self, path, config, agent, counters, schedules, replay, ranks):
+        self.path, self.config, self.agent, self.counters = path, config, agent, counters
+        self.schedules, self.replay, self.ranks = schedules, replay, ranks
+        self.saved_frames = None  # frame of the checkpoint on disk
+        self.saved_at = None  # (frames, updates) of the last save of this run
+
+    @property
+    def frames(self):
+        return self.counters.policy_steps * self.config.action_repeat
+
+    def kept(self):
+        """What a refused save leaves on disk, for its error message."""
+        return f"latest.pt keeps frame {self.saved_frames}" if self.saved_frames is not None else "nothing saved"
+
+    def resume(self, traindir):
+        """Load the checkpoint (or the previous one) and count every frame stored in `traindir` (None:
+        offline, nothing stored). Returns (whether it resumed, lines for the start-up summary)."""
+        config, counters, ranks = self.config, self.counters, self.ranks
+        if ranks.is_main:  # it alone writes checkpoints, and recovers what a kill -9 left (resume_checkpoint)
+            state, path, found = resume_checkpoint(self.path, config.device, self.KEYS)
+        ranks.barrier()
+        if not ranks.is_main:
+            state, path, found = load_checkpoint_or_previous(self.path, config.device, self.KEYS)
+        notes = [f"WARNING: {note}" for note in found]
+        stored = 0 if traindir is None else stored_steps(traindir)
+        if state is None:
+            counters.stored_steps = stored
+            # Episodes of a run killed before its first checkpoint count towards the budget.
+            counters.policy_steps = stored
+            if stored:
+                notes.append(f"WARNING: no checkpoint in {self.path.parent}, but {traindir} holds "
+                             f"{stored * config.action_repeat} frames of episodes: training starts from "
+                             "fresh weights and the frame count continues from them")
+            return False, notes
+        check_format(state, path)
+        check_fits(self.agent, state["agent"], path)
+        saved_ranks = state["world_size"]
+        if saved_ranks != ranks.world_size:
+            raise ConfigError(f"{path} was saved by {saved_ranks} process(es) and this run has "
+                              f"{ranks.world_size}: resuming with another number of processes is not "
+                              f"supported (each holds its own replay); use --nproc_per_node {saved_ranks} "
+                              "or another --logdir")
+        changes = self.restore(state)
+        notes += self.restore_replay(state)
+        self.saved_frames = self.frames
+        if changes:
+            notes.append("Optimizer settings from this config replace the saved ones: " + ", ".join(changes))
+        # After a kill -9, episodes and chunks written after the checkpoint are in replay; their
+        # frames were spent, so the budget counts them (the steps of a running episode not yet in a
+        # chunk at the save, at most chunk_size per environment, may count twice).
+        rank = ranks.rank
+        saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"]["stored_steps"]
+        extra = stored - saved
+        counters.stored_steps = stored
+        if extra > 0:
+            counters.policy_steps += extra
+            notes.append(f"Counted {extra * config.action_repeat} frames of episodes stored after the "
+                         f"checkpoint (frame {self.saved_frames})")
+        return True, notes
+
+    def state(self):
+        """What a save writes, gathered from every rank (call it on all of them at once): the state on
+        the main process, None on the others, which write nothing."""
+        counters, schedules, ranks = self.counters, self.schedules, self.ranks
+        # Every rank's own state, gathered on the main one: [rank 0, rank 1, ...].
+        own = ranks.gather_object({"rng": rng_state(self.replay.rng), "stored_steps": counters.stored_steps,
+                                   "replay": self.replay.context_state(list(self.agent.context.spec))})
+        if not ranks.is_main:
+            self.saved_frames, self.saved_at = self.frames, (self.frames, counters.updates)
+            return None
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "agent": self.agent.state_dict(),
+            "optimizers": self.agent.optimizer_state(),
+            "counters": dict(vars(counters)),
+            "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,
+                          "eval": schedules["eval"].last},
+            "rng": own[0]["rng"],
+            "replay": own[0]["replay"],  # the written-back latents and the online queue (Replay.context_state)
+            "ranks": own[1:],  # ranks 1, 2, ... of a torchrun run: their rng, stored_steps and replay
+            "world_size": ranks.world_size,
+        }
+
+    def write(self, state):
+        """Write `state` (from state(); None on a rank other than the main one: nothing to do)."""
+        if state is None:
+            return
+        try:
+            save_checkpoint(self.path, state)  # refuses non-finite values
+        except CheckpointError:
+            raise NonFiniteError(f"non-finite weights or optimizer state at update {self.counters.updates}; "
+                                 f"the run stops without saving ({self.kept()})") from None
+        self.saved_frames = self.frames
+        self.saved_at = (self.frames, self.counters.updates)
+
+    def restore(self, state):
+        """Returns the optimizer settings of this config that replaced differing saved ones."""
+        self.agent.load_state_dict(state["agent"])
+        changes = self.agent.load_optimizer_state(state["optimizers"])
+        vars(self.counters).update(state["counters"])
+        self.schedules["train"].load_state_dict(state["schedules"]["train"])
+        self.schedules["log"].last = state["schedules"]["log"]
+        self.schedules["eval"].last = state["schedules"]["eval"]
+        rank = self.ranks.rank
+        own = state["ranks"][rank - 1] if rank else state
+        set_rng_state(own["rng"], self.replay.rng)
+        return changes
+
+    def restore_replay(self, state):
+        """The replay's latents and online queue (Replay.context_state) over the steps the episode files
+        reloaded; a line for the summary when some could not be placed."""
+        rank = self.ranks.rank
+        missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
+        return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
+                "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
+                "policy's, stand in)"] if missed else []

@@ -151,7 +151,7 @@ MUTATIONS = [
     {
         "name": "resume_no_optimizer",
         "slip": "resuming restores everything but the optimizers' states (fresh moments and counts)",
-        "edits": [{"file": "dreamer.py",
+        "edits": [{"file": "storage.py",
                    "old": "        changes = self.agent.load_optimizer_state(state[\"optimizers\"])\n",
                    "new": "        changes = []\n"}],
     },
@@ -180,7 +180,7 @@ MUTATIONS = [
         "name": "latents_not_checkpointed",
         "slip": "a resumed run leaves the checkpoint's replay state unread: the replay context starts again "
                 "from the files' latents (the policy's) and the online queue from empty",
-        "edits": [{"file": "dreamer.py",
+        "edits": [{"file": "storage.py",
                    "old": "        missed = self.replay.load_context_state(",
                    "new": "        missed = 0 and self.replay.load_context_state("}],
     },

@@ -18,8 +18,6 @@ import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
-import storage  # noqa: E402
-import tools  # noqa: E402
 
 PRESETS = cfg.load_presets()
 AGC = 0.3
@@ -99,34 +97,6 @@ def test_the_optimizer_step_clips_per_part(spaces):
         want = np_agc(p0.double().numpy(), g.double().numpy())
         np.testing.assert_allclose(p.grad.double().numpy(), want, rtol=1e-5, atol=1e-12)
     assert any(not torch.allclose(p.grad, g) for p, g in zip(params, grads)), "nothing was clipped"
-
-
-def merged_state(agent):
-    """The agent's state as a checkpoint written before the split held it: one weight and bias per
-    SplitLinear, its parts stacked."""
-    state = agent.state_dict()
-    for name, layer in agent.named_modules():
-        if isinstance(layer, networks.SplitLinear):
-            for kind in ("weight", "bias"):
-                parts = [state.pop(f"{name}.parts.{i}.{kind}") for i in range(len(layer.sizes))]
-                state[f"{name}.{kind}"] = torch.cat(parts, 0)
-    return state
-
-
-def test_a_checkpoint_with_merged_output_layers_fits_and_loads_into_the_parts(spaces):
-    agent = make_agent(spaces)
-    old = merged_state(agent)
-    with pytest.raises(tools.ConfigError, match="does not fit"):
-        storage.check_fits(agent, dict(old), "latest.pt")  # what resuming such a run met before the cut
-    fresh = make_agent(spaces)
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.add_(1.0)  # differs from agent everywhere
-    assert networks.split_merged_outputs(fresh, old) == 2  # the decoder's vector keys and the actor
-    storage.check_fits(fresh, old, "latest.pt")
-    fresh.load_state_dict(old)
-    for (name, a), b in zip(agent.state_dict().items(), fresh.state_dict().values()):
-        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("winit", ["fan_avg", "fan_in"])

@@ -589,12 +589,12 @@ def test_env_failure_decides_whether_parallel_workers_restart(failure, restart):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_asynchronous_chooses_the_loop_and_its_train_schedule(tmp_path):
+def test_asynchronous_chooses_the_train_schedule_and_the_waits_it_times(tmp_path):
     sync = dreamer.Trainer(make_config(), None, tmp_path / "a", [], [])
-    assert type(sync.loop) is dreamer.SyncLoop and type(sync.schedules["train"]) is tools.Ratio
+    assert type(sync.schedules["train"]) is tools.Ratio and set(sync.stopwatch.fractions()) == {"learner", "env"}
     trainer = dreamer.Trainer(make_config("--asynchronous"), None, tmp_path / "b", [], [])
-    assert type(trainer.loop) is dreamer.AsyncLoop
     assert type(trainer.schedules["train"]) is tools.SamplesPerInsert and trainer.schedules["train"].ratio == 32
+    assert set(trainer.stopwatch.fractions()) == {"learner", "env", "learner_wait", "env_wait"}
 
 
 @pytest.mark.parametrize("tolerance", [1, 5])

@@ -473,7 +473,7 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
     saved = storage.load_checkpoint(logdir / "latest.pt")
     assert saved["counters"]["policy_steps"] == 50 and saved["counters"]["updates"] > 10
     loaded = {}
-    restore = dreamer.Checkpoints.restore
+    restore = storage.Checkpoints.restore
 
     def restore_and_look(self, state):
         changes = restore(self, state)
@@ -483,7 +483,7 @@ def test_an_asynchronous_run_resumes_with_its_state_and_continues_from_the_saved
         loaded["optimizers"] = copy.deepcopy(loaded["optimizers"])
         return changes
 
-    monkeypatch.setattr(dreamer.Checkpoints, "restore", restore_and_look)
+    monkeypatch.setattr(storage.Checkpoints, "restore", restore_and_look)
     dreamer.main(resume_flags("v1", logdir, 90) + argv)
     assert "resumed from frame 50" in capsys.readouterr().out
     for key in ("agent", "optimizers", "counters", "rng"):

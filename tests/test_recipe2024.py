@@ -17,6 +17,7 @@ import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
 import networks  # noqa: E402
+import storage  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = cfg.load_presets()
@@ -739,7 +740,7 @@ def test_joint_update_refuses_the_dynamics_gradient():
 @pytest.mark.parametrize("configs, online", [(("debug", "recipe2024"), True), (("debug",), False)])
 def test_replay_online_gives_the_training_replay_the_queue_of_its_sequence_length(tmp_path, configs, online):
     config = cfg.parse(["--configs", *configs, "--batch_length", "12"], presets=copy.deepcopy(PRESETS))
-    stored = dreamer.StoredEpisodes(config, tmp_path, 0, None, {})
+    stored = storage.StoredEpisodes(config, tmp_path, 0, None, {})
     assert stored.replay.online == (12 + config.replay_context if online else 0)
     assert stored.eval_replay.online == 0  # evaluation batches are not training
 

@@ -127,7 +127,7 @@ def test_non_finite_weights_are_never_saved(run_copy):
     trainer = trainer_for(run_copy)
     with torch.no_grad():
         next(trainer.agent.parameters())[0] = float("nan")
-    with pytest.raises(dreamer.NonFiniteError, match=r"non-finite weights .* \(latest.pt keeps frame 40\)"):
+    with pytest.raises(storage.NonFiniteError, match=r"non-finite weights .* \(latest.pt keeps frame 40\)"):
         trainer.save()
     assert (run_copy / "latest.pt").read_bytes() == before and not (run_copy / "previous.pt").exists()
     trainer.train_envs[0].close()
@@ -240,6 +240,25 @@ def test_a_crafted_checkpoint_runs_nothing_and_says_why(run_copy, capsys):
     with pytest.raises(storage.CheckpointError, match="refusing to load"):
         storage.load_checkpoint_or_previous(run_copy / "latest.pt")  # never falls back past a tampered file
     assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_format_is_refused_in_one_line(run_copy, capsys):
+    """No migration: a checkpoint saved before checkpoints had a format, or of an older one, ends a resumed run
+    and --eval_only in one line that names the file, its format and the one this version reads."""
+    latest = run_copy / "latest.pt"
+    state = storage.load_checkpoint(latest)
+    assert state["format"] == storage.CHECKPOINT_FORMAT
+    for found, named in ((None, "none (older)"), (storage.CHECKPOINT_FORMAT - 1, storage.CHECKPOINT_FORMAT - 1)):
+        if found is None:
+            del state["format"]
+        else:
+            state["format"] = found
+        storage.save_checkpoint(latest, state)
+        for flags in (("--steps", "80"), ("--eval_only", "--eval_episode_num", "1")):
+            code, _, err = main(capsys, *SHORT, "--logdir", str(run_copy), *flags)
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert (f"{latest} is a checkpoint of format {named} and this version reads format "
+                    f"{storage.CHECKPOINT_FORMAT} only") in err, err
 
 
 # -- 5. resume honours what the user changed ----------------------------------------------------------------
