@@ -52,11 +52,10 @@ def test_compile_choice_always_compiles_the_whole_update_on_cuda():
     assert models.compile_choice(config, COUNTS)[0] == "update"
 
 
-def test_the_rule_states_its_measurements():
-    """The constants are those of the measurements written where the rule lives."""
-    source = " ".join(pathlib.Path(models.__file__).read_text().replace("#", " ").split())
-    assert "v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s" in source
-    assert "warm-up of the first 2 updates 4.7 s eager and 377 s compiled" in source
+def test_the_rule_follows_its_measurements():
+    """The constants are those of the measurements the comment beside them states (v1 default size,
+    dmc_proprio walker: eager 11.61 s, compiled 10.58 s per 5.0e11 FLOPs of updates; warm-up of the
+    first 2 updates 4.7 s eager and 377 s compiled)."""
     assert models.COMPILE_WARMUP_S == pytest.approx(377 - 4.7, abs=5)
     assert models.COMPILE_SAVED_S_PER_FLOP == pytest.approx((11.61 - 10.58) / 5.0e11, rel=0.03)
 
