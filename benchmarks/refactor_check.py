@@ -64,9 +64,10 @@ def digest(logdir):
     state = torch.load(logdir / "latest.pt", map_location="cpu", weights_only=False)
     weights = tensor_hashes({"agent": state["agent"], "optimizers": state["optimizers"]})
     episodes = {}
-    for path in sorted((logdir / "train_eps").rglob("*.npz")):
+    # Named by their order and length: a file's name also holds the time it was written and a random id.
+    for index, path in enumerate(sorted((logdir / "train_eps").rglob("*.npz"))):
         with np.load(path) as data:
-            episodes[path.name] = {key: sha(data[key]) for key in sorted(data.files)}
+            episodes[f"{index}-{path.stem.rsplit('-', 1)[-1]}"] = {key: sha(data[key]) for key in sorted(data.files)}
     metrics = []
     for line in (logdir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
