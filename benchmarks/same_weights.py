@@ -254,16 +254,14 @@ def project_batch(windows, context):
 
 def project_losses(agent, batch, start):
     """The loss terms {term: (B, T) or (B, T-1)} of models.Update.train_step under update 'joint'."""
-    wm, behavior = agent.wm, agent.task_behavior
+    import models
+
+    wm = agent.wm
     data = wm.preprocess(batch)
-    size, length = data["is_first"].shape
     losses, post, _, _ = wm.loss(data, start)
-    starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
-    terms, returns, _ = behavior.loss(starts, data["cont"].reshape(-1))
-    losses.update({k: v.unflatten(0, (size, length)) for k, v in terms.items()})
-    if agent.config.critic.repval:
-        feat = wm.rssm.get_feat(post)
-        losses["repval"] = behavior.replay_loss(feat, data, returns[0].detach().reshape(size, length))
+    terms, _ = models.behavior_losses(agent.task_behavior, post, data, bool(agent.config.critic.repval),
+                                      replay_graph=True)
+    losses.update(terms)
     return losses
 
 

@@ -147,7 +147,7 @@ def compare(args, config, env, replay, length):
         for setting in settings:
             start = time.perf_counter()
             for batch in batches:
-                metrics = agents[setting].update.train_step(batch)
+                metrics, _ = agents[setting].update.train_step(batch)
             float(metrics["model_loss"])
             sync()
             times[setting].append((time.perf_counter() - start) / args.updates)
