@@ -124,7 +124,7 @@ def predict_steps_per_s(costs, placement, threads, updates_per_step, asynchronou
         policy = at_threads(costs, "policy_ms", threads) + at_threads(costs, "policy_extra_ms", threads) * (n - 1)
         collect = policy / 1e3 + collection_seconds(costs, placement, cores)
         return n / (collect + learn), "learner" if learn >= collect else "environments"
-    # The actor thread runs the policy on one torch thread (AsyncLoop.act).
+    # The collector thread runs the policy on one torch thread (parallel.CollectorThread).
     policy = at_threads(costs, "policy_ms", 1) + at_threads(costs, "policy_extra_ms", 1) * (n - 1)
     collect = policy / 1e3 + collection_seconds(costs, placement, env_cores)
     return n / max(collect, learn), "learner" if learn >= collect else "environments"
