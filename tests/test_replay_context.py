@@ -282,7 +282,7 @@ def test_recipe2024_run_writes_back_each_update_and_resumes(tmp_path, monkeypatc
 
     def recording_update(self, ids, values):
         if values["latent_deter"].shape[1] > 1:  # the learner's write-back (the collector writes one step per row)
-            updates.append((np.array(ids), {k: np.array(v) for k, v in values.items()}))
+            updates.append((np.array(ids), {k: storage.host_array(v) for k, v in values.items()}))
         return update(self, ids, values)
 
     def recording_train_step(self, batch, *args):
