@@ -214,6 +214,9 @@ SCHEMA = {
     "prefill_policy": Key(choices=("random", "agent")),  # dreamer.PREFILLS, which this module cannot import
     "steps": Key(range=(at_least(0), WHOLE.format(0)), whole=True, free=True),
     "seed": Key(range=(lambda v, flat: isinstance(v, int) and 0 <= v < 2**31, "a whole number in [0, 2^31)")),
+    # seeds.py: more seeds on a rerun add runs, fewer leave the others' folders as they are
+    "seeds": Key(range=(at_least(1), "a whole number >= 1 (the seeds seed .. seed + seeds - 1, in one process)"),
+                 whole=True, free=True),
     "envs": Key(range=(lambda v, flat: v == "auto" or (isinstance(v, int) and v >= (0 if offline(flat) else 1)),
                        "auto or a whole number >= 1 (0 only with --offline_traindir or --eval_only)"),
                 whole=True, auto=True),

@@ -10,8 +10,106 @@ squash=symlog, `Bernoulli` its Binary, `unimix_logits` the mixing inside its Cat
 `kl_categorical` / `kl_normal` its Categorical.kl / Normal.kl.
 """
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
+
+# ==================================================================================================
+# Noise: where every sample's random numbers come from
+# ==================================================================================================
+
+# Each sample draws its noise through `uniform` and `normal`. By default from torch's global
+# generator, exactly as torch.rand and Normal.rsample would (a run alone is unchanged). Several seeds
+# in one process (seeds.py) give each seed's thread its own generator (`generator`), and the batched
+# update replays each seed's noise from a tape drawn up front (`Tape`): inside torch.func.vmap no
+# per-seed generator can be called, so the same numbers are drawn before it, in the same order.
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def generator(gen):
+    """Draw the noise of this thread's samples from `gen` (a torch.Generator) in the block."""
+    before = getattr(_local, "generator", None)
+    _local.generator = gen
+    try:
+        yield gen
+    finally:
+        _local.generator = before
+
+
+def current_generator():
+    """This thread's generator (`generator`), or None: torch's global one."""
+    return getattr(_local, "generator", None)
+
+
+@contextlib.contextmanager
+def tape(source):
+    """Take the noise of this thread's samples from `source` (a Tape) in the block."""
+    before = getattr(_local, "tape", None)
+    _local.tape = source
+    try:
+        yield source
+    finally:
+        _local.tape = before
+
+
+def uniform(shape, device):
+    """U[0, 1) float32 noise of `shape`: torch.rand, from this thread's generator or tape."""
+    source = getattr(_local, "tape", None)
+    if source is not None:
+        return source.take("uniform", tuple(shape))
+    return torch.rand(shape, device=device, generator=getattr(_local, "generator", None))
+
+
+def normal(shape, device):
+    """N(0, 1) float32 noise of `shape`, drawn as torch.distributions.Normal.rsample draws it."""
+    source = getattr(_local, "tape", None)
+    if source is not None:
+        return source.take("normal", tuple(shape))
+    return torch.empty(shape, device=device).normal_(generator=getattr(_local, "generator", None))
+
+
+DRAWS = {"uniform": lambda shape, device, gen: torch.rand(shape, device=device, generator=gen),
+         "normal": lambda shape, device, gen: torch.empty(shape, device=device).normal_(generator=gen)}
+
+
+class Tape:
+    """The noise of one computation, in the order it is taken. Recording (`values` None), `take`
+    notes each draw's kind and shape and returns zeros, drawing nothing; `draw` then draws the
+    noise of those draws from a generator, in that order, as a flat (total,) tensor per kind; a
+    tape given those (`values`, one seed's slice inside vmap) hands them out in the same order."""
+
+    def __init__(self, values=None):
+        self.values, self.draws, self.offsets = values, [], {kind: 0 for kind in DRAWS}
+
+    def take(self, kind, shape):
+        if self.values is None:
+            self.draws.append((kind, shape))
+            return torch.zeros(shape)
+        count = 1
+        for size in shape:
+            count *= size
+        start = self.offsets[kind]
+        self.offsets[kind] = start + count
+        return self.values[kind][start:start + count].reshape(shape)
+
+    @staticmethod
+    def draw(draws, gen, device):
+        """{kind: (total,)} noise for the recorded `draws` [(kind, shape)], from `gen`."""
+        parts = {kind: [] for kind in DRAWS}
+        for kind, shape in draws:
+            parts[kind].append(DRAWS[kind](shape, device, gen).flatten())
+        return {kind: torch.cat(found) if found else torch.zeros(0, device=device) for kind, found in parts.items()}
+
+    @staticmethod
+    def zeros(draws, device):
+        """Zeros in the place of `draw`'s noise, drawing nothing."""
+        totals = {kind: 0 for kind in DRAWS}
+        for kind, shape in draws:
+            totals[kind] += torch.Size(shape).numel()
+        return {kind: torch.zeros(total, device=device) for kind, total in totals.items()}
 
 
 def symlog(x):
@@ -161,8 +259,8 @@ class OneHot:
     def sample(self):
         # Inverse-CDF sampling: one uniform per categorical, much faster than torch.multinomial.
         cdf = self.probs.detach().float().cumsum(-1)
-        uniform = torch.rand(*cdf.shape[:-1], 1, device=cdf.device)
-        index = (cdf < uniform * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
+        noise = uniform((*cdf.shape[:-1], 1), cdf.device)
+        index = (cdf < noise * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
         onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
         return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
@@ -190,7 +288,8 @@ class Normal:
         return self.mean_
 
     def sample(self):
-        sample = self.dist.rsample()
+        mean, std = self.dist.loc, self.dist.scale  # rsample's loc + eps * scale, with this thread's eps
+        sample = mean + normal(mean.shape, mean.device) * std
         if self.absmax is not None:
             sample = sample * (self.absmax / sample.abs().clamp(min=self.absmax)).detach()
         return sample
@@ -200,6 +299,23 @@ class Normal:
 
     def entropy(self):
         return self.dist.entropy().sum(-1)
+
+
+class Uniform:
+    """Uniform over the box [low, high] (the random exploration's actions)."""
+
+    def __init__(self, low, high):
+        self.low, self.high = low, high
+        self.dist = torch.distributions.Independent(torch.distributions.Uniform(low, high), 1)
+
+    def sample(self):  # torch.distributions.Uniform.rsample, with this thread's noise
+        return self.low + uniform(self.low.shape, self.low.device) * (self.high - self.low)
+
+    def log_prob(self, value):
+        return self.dist.log_prob(value)
+
+    def entropy(self):
+        return self.dist.entropy()
 
 
 def kl_categorical(lhs_logits, rhs_logits):

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import config as cfg
+import distributions
 import envs
 import exploration
 import launch
@@ -38,6 +39,7 @@ import models
 import networks
 import parallel
 import resources
+import seeds
 import storage
 import tools
 
@@ -119,6 +121,8 @@ def setup(argv):
     if config.eval_only and not (checkpoint.exists() or storage.previous_path(checkpoint).exists()):
         raise tools.ConfigError(f"--eval_only needs a checkpoint, but {checkpoint} does not exist")
     config, device_note = launch.resolve_device(config)
+    found = launch.torchrun_rank()
+    seeds.check(config, 1 if found is None else found[1])
     return config, logdir, device_note, warnings_
 
 
@@ -127,6 +131,8 @@ def run_processes(config, logdir, device_note, changed, ranks):
     the device of this rank, --envs/--parallel auto (Resources), the actor and compile auto from the
     action space and device (models.resolve_auto). It is printed and saved, and read-only after."""
     config = config.replace(device=ranks.device(config.device))
+    if config.seeds > 1:
+        return run_seeds(config, logdir, device_note, changed, ranks)
     if not ranks.is_main:  # the main process alone prints progress; errors still reach stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     # One run per logdir, held until this process ends. A logdir that exists may be in use: check
@@ -197,6 +203,79 @@ def run_processes(config, logdir, device_note, changed, ranks):
         trainer.train()
     finally:
         for env in train_envs + eval_envs:
+            env.close()
+
+
+def run_seeds(config, logdir, device_note, changed, ranks):
+    """--seeds N: the seeds seed .. seed + N - 1 in this process, each a run of its own in
+    <logdir>/seed<k> (its environments, replay, Trainer, checkpoint and random streams, built as
+    run_processes builds a run alone), trained together by one batched update (seeds.py). A
+    rerun resumes every seed; one that finished its --steps waits for the others."""
+    if config.compile == "auto":  # the batched update runs eager (seeds.check)
+        config = config.replace(compile=False)
+    torch.set_float32_matmul_precision("high")
+    launch.keep_freed_memory()
+    trainers, agents, generators, seed_envs, locks, settled = [], [], [], [], [], None
+    try:
+        for k in range(config.seeds):
+            own_dir = logdir / f"seed{k}"
+            own = config.replace(seed=config.seed + k, logdir=str(own_dir))
+            if k == 0 and (own_dir / "config.yaml").exists():
+                changed = cfg.compare_saved_config(own, own_dir / "config.yaml")
+            try:
+                locks.append(storage.lock_logdir(own_dir) if own_dir.is_dir() else None)
+            except storage.LogdirBusy as e:
+                cfg.fail(str(e))
+            launch.seed_everything(own.seed, own.deterministic_run)
+            try:
+                if settled is None:  # --envs and --parallel auto: measured once, for every seed
+                    sizing = resources.Resources(own, own_dir, Dreamer)
+                    settled = sizing.settle()
+                own = own.replace(envs=settled.envs, parallel=settled.parallel)
+                seed_envs.append([])  # each seed's thread closes its own: a rendering context is bound to it
+                train_envs = parallel.make_envs(own, "train", own.envs, 0, sizing.weights(), sizing.processes())
+                seed_envs[-1] += train_envs
+                eval_count = min(max(own.envs // len(envs.parse_tasks(own.task)), 1), own.eval_episode_num)
+                eval_envs = parallel.make_envs(own, "eval", eval_count) if eval_count else []
+                seed_envs[-1] += eval_envs
+                env = train_envs[0]
+                own, resolved = models.resolve_auto(own, env.act_space, env.obs_space)
+                check_memory(own, env.obs_space, env.act_space)
+                agent = Dreamer(env.obs_space, env.act_space, own).to(own.device)
+            except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
+                cfg.fail(str(e).strip().splitlines()[-1])
+            generators.append(seeds.seed_generator(own.device))  # where this seed alone would draw on from
+            try:
+                with distributions.generator(generators[-1]):  # a resumed seed's random state is its own
+                    trainer = Trainer(own, agent, own_dir, train_envs, eval_envs, ranks)
+            except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
+                cfg.fail(str(e))
+            own_dir.mkdir(parents=True, exist_ok=True)
+            locks[-1] = locks[-1] or storage.lock_logdir(own_dir)
+            trainers.append(trainer)
+            agents.append(agent)
+        batched = seeds.BatchedUpdate(agents, generators)
+        for k, trainer in enumerate(trainers):
+            trainer.learner = seeds.SeedLearner(batched, k)
+        first = trainers[0]
+        spec = {**storage.episode_spec(env.obs_space, env.act_space), **agents[0].context.spec}
+        print(cfg.summary(first.config, agents[0], device_note, first.frames if first.resumed else None, ranks,
+                          sizing.weights(), resolved, spec), flush=True)
+        for line in [*sizing.lines, seeds.cost_line(agents[0], first.config, spec)]:
+            print(line, flush=True)
+        for line in changed:
+            print(f"warning: differs from the saved config: {line}", flush=True)
+        for line in models.ignored_keys(first.config):
+            print(f"warning: {line}", flush=True)
+        for k, trainer in enumerate(trainers):
+            for line in trainer.notes:
+                print(f"seed{k}: {line}", flush=True)
+            if not trainer.done:
+                cfg.save_config(trainer.config, trainer.logdir / "config.yaml")
+        sizing.save()
+        seeds.train_together(trainers, generators, batched, seed_envs)
+    finally:
+        for env in [env for own in seed_envs for env in own]:  # those no seed's thread closed
             env.close()
 
 
@@ -385,6 +464,9 @@ class Trainer:
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
+        # What takes the updates: the agent's own (models.Update), or its seed's share of one
+        # batched update of several seeds (seeds.SeedLearner, set by run_seeds).
+        self.learner = agent.update if agent is not None else None
         self.ranks = ranks or launch.SingleProcess()
         self.train_envs, self.eval_envs = train_envs, eval_envs
         self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
@@ -628,7 +710,7 @@ class Trainer:
         length = config.batch_length + context.steps  # the context steps only give the start latent
         if not count or not self.agreement.settle(self.replay.ready(length)):
             return
-        train_step = self.agent.update.train_step  # with compile on, its first call (it compiles) is a phase
+        train_step = self.learner.train_step  # with compile on, its first call (it compiles) is a phase
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch

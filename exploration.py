@@ -29,7 +29,7 @@ class Random(nn.Module):
         if self.discrete:
             return distributions.OneHot(torch.zeros(shape, device=feat.device))
         low = torch.full(shape, -1.0, device=feat.device)
-        return torch.distributions.Independent(torch.distributions.Uniform(low, -low), 1)
+        return distributions.Uniform(low, -low)
 
     def train_step(self, post, embed, data):
         return {}

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+import distributions
 from tools import ConfigError
 
 # ==================================================================================================
@@ -321,15 +322,23 @@ def seed_everything(seed, deterministic):
 
 
 def rng_state(replay_rng):
-    """Every random state as tensors and plain lists, so checkpoints load with weights_only."""
+    """Every random state as tensors and plain lists, so checkpoints load with weights_only. The
+    torch state is the one the samples draw from: this thread's generator where it has one (a
+    seed of --seeds N, distributions.generator), else torch's global one."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+    own = distributions.current_generator()
+    return {"torch": torch.get_rng_state() if own is None else own.get_state(),
+            "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
             "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
 
 
 def set_rng_state(state, replay_rng):
-    torch.set_rng_state(state["torch"])
+    own = distributions.current_generator()
+    if own is None:
+        torch.set_rng_state(state["torch"])
+    else:
+        own.set_state(state["torch"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]

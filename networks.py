@@ -1,6 +1,8 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
+import contextlib
 import math
+import threading
 
 import numpy as np
 import torch
@@ -10,6 +12,26 @@ import distributions
 import tools
 
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
+
+
+_layout = threading.local()
+
+
+def image_layout():
+    """The memory format of conv activations: channels_last, which oneDNN and cuDNN run fastest,
+    except inside torch.func.vmap (seeds.py's batched update), which cannot query it."""
+    return torch.contiguous_format if getattr(_layout, "vmapped", False) else torch.channels_last
+
+
+@contextlib.contextmanager
+def vmapped():
+    """The block runs inside torch.func.vmap on this thread (see image_layout)."""
+    before = getattr(_layout, "vmapped", False)
+    _layout.vmapped = True
+    try:
+        yield
+    finally:
+        _layout.vmapped = before
 
 
 class CompileError(RuntimeError):
@@ -331,7 +353,7 @@ class ConvEncoder(nn.Module):
 
     def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
         # Centred on zero, as v1's ImageEncoderResnet feeds its first convolution.
-        x = (image - 0.5).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+        x = (image - 0.5).permute(0, 3, 1, 2).contiguous(memory_format=image_layout())
         return self.net(x).flatten(1)
 
 
@@ -362,7 +384,7 @@ class ConvDecoder(nn.Module):
     def forward(self, feat):  # (..., inp) -> (..., H, W, C)
         lead = feat.shape[:-1]
         x = self.linear(feat.reshape(-1, feat.shape[-1]))
-        x = x.reshape(-1, self.start, self.minres, self.minres).contiguous(memory_format=torch.channels_last)
+        x = x.reshape(-1, self.start, self.minres, self.minres).contiguous(memory_format=image_layout())
         x = self.net(x).permute(0, 2, 3, 1)
         x = torch.sigmoid(x) if self.sigmoid else x + 0.5
         return x.reshape(*lead, *self.shape)
@@ -389,7 +411,7 @@ class PooledConvEncoder(nn.Module):
         self.outdim = inp * minres * (width // (height // minres))
 
     def forward(self, image):  # (B, H, W, C) in [0, 1] -> (B, outdim)
-        x = image.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last) - 0.5
+        x = image.permute(0, 3, 1, 2).contiguous(memory_format=image_layout()) - 0.5
         return self.net(x).flatten(1)
 
 
@@ -436,7 +458,7 @@ class UpsampleConvDecoder(nn.Module):
         # Block k of the block-linear output is an (h, w, C / blocks) slab: channels block-major.
         x0 = self.from_deter(deter).reshape(-1, self.blocks, h, w, c // self.blocks).permute(0, 2, 3, 1, 4)
         x = x0.reshape(-1, h, w, c) + self.from_stoch(stoch).reshape(-1, h, w, c)
-        x = x.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)  # (N, C, h, w)
+        x = x.permute(0, 3, 1, 2).contiguous(memory_format=image_layout())  # (N, C, h, w)
         x = self.seed_act(self.seed_norm(x))
         x = self.net(x).permute(0, 2, 3, 1)
         x = torch.sigmoid(x) if self.sigmoid else x + 0.5

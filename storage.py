@@ -1255,6 +1255,14 @@ def check_format(state, path):
                           "saved it or use another --logdir")
 
 
+def own_tensors(state):
+    """A state dict whose tensors hold their own storage: torch.save writes a view's whole storage,
+    and the weights of a seed of --seeds N are views of the stack of all seeds' (seeds.Stack)."""
+    return {key: value.clone() if isinstance(value, torch.Tensor)
+            and value.untyped_storage().nbytes() > value.numel() * value.element_size() else value
+            for key, value in state.items()}
+
+
 class Checkpoints:
     """A run's checkpoint at `path`: resuming from it (or from previous.pt), saving it.
 
@@ -1338,7 +1346,7 @@ class Checkpoints:
             return None
         return {
             "format": CHECKPOINT_FORMAT,
-            "agent": self.agent.state_dict(),
+            "agent": own_tensors(self.agent.state_dict()),
             "optimizers": self.agent.optimizer_state(),
             "counters": dict(vars(counters)),
             "schedules": {"train": schedules["train"].state_dict(), "log": schedules["log"].last,

@@ -443,7 +443,8 @@ def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total
 # nothing of the project; nothing imports dreamer.
 ALLOWED = {
     "dreamer": {"config", "exploration", "models", "networks", "storage", "logs", "launch", "tools", "parallel",
-                "resources", "envs"},
+                "resources", "envs", "seeds", "distributions"},
+    "seeds": {"distributions", "models", "networks", "tools"},
     "config": {"exploration", "models", "networks", "storage", "launch", "tools", "parallel", "logs", "envs"},
     "exploration": {"distributions", "models", "networks", "launch", "tools"},
     "models": {"networks", "storage", "launch", "tools"},
@@ -451,7 +452,7 @@ ALLOWED = {
     "distributions": set(),
     "storage": {"launch", "tools"},
     "logs": {"storage", "tools", "envs"},
-    "launch": {"tools"},
+    "launch": {"distributions", "tools"},
     "tools": set(),
     "parallel": {"storage", "logs", "tools", "envs"},
     "resources": {"parallel", "storage", "launch", "tools", "envs"},
