@@ -240,11 +240,15 @@ class WandbOutput:
         if not run_id:
             run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
             atomic_write_bytes(id_file, (run_id + "\n").encode())
+        # --seeds N: N runs in this one process, named <logdir>-seed<k> and grouped by the logdir
+        seeds = (config.get("seeds") or 1) > 1
+        name = f"{logdir.resolve().parent.name}-{logdir.name}" if seeds else logdir.resolve().name
+        group = options.get("group") or (logdir.resolve().parent.name if seeds else None)
         self.run = wandb.init(
             project=options.get("project") or None, entity=options.get("entity") or None,
-            group=options.get("group") or None, name=options.get("name") or logdir.resolve().name,
+            group=group, name=options.get("name") or name,
             tags=list(options.get("tags") or []) or None, id=run_id, resume="allow", dir=str(logdir),
-            config=config, settings=wandb.Settings(console="off"))
+            config=config, settings=wandb.Settings(console="off"), reinit="create_new" if seeds else None)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -239,7 +239,10 @@ class BatchedUpdate:
                 return torch.func.functional_call(module, (params, buffers), (data, part, post), strict=True)
 
         in_dims = (0, 0, 0, 0, None if post is None else 0)
-        return torch.func.vmap(one, in_dims=in_dims, randomness="error")(params, buffers, data, noise, post)
+        with warnings.catch_warnings():
+            # functorch loops over the seeds for torch.quantile (the return normalisation): correct, and says so
+            warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+            return torch.func.vmap(one, in_dims=in_dims, randomness="error")(params, buffers, data, noise, post)
 
     def record(self, data, part, post):
         """The noise draws (kind, shape) of one seed's `part` of the update, recorded on seed 0's
@@ -358,9 +361,7 @@ def train_together(trainers, generators, batched, environments):
 
     def run(k):
         try:
-            with distributions.generator(generators[k]), warnings.catch_warnings():
-                # functorch loops over the seeds for torch.quantile (the return normalisation): correct, and says so
-                warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+            with distributions.generator(generators[k]):
                 trainer = trainers[k]
                 if trainer.done:
                     print(f"Run finished: {trainer.config.logdir} completed {trainer.frames} frames of --steps "

@@ -4,6 +4,8 @@
 # first seconds, with torch's reason and the fix, when there is no usable GPU (a CPU wheel, no driver,
 # a driver too old for the wheel's CUDA). Most important first, so that a short visit measures it:
 #   1. benchmarks/train_speed.py for dmc_proprio recipe2024 size1m, the whole update at bf16;
+#   1b. 8 seeds in one batched update (--seeds 8, eager, bf16) against one seed alone at size1m:
+#      train_speed.py --seeds 8 prints `ratio: X` (the goal: 8 seeds in less than 2x one seed's time);
 #   2. the suite's CUDA-relevant tests on cuda (DREAMER_TEST_DEVICE=cuda): tests/test_compile.py,
 #      tests/test_replay_device.py, and tests/test_whole_update.py with Inductor and CUDA graphs
 #      (DREAMER_TEST_BACKEND=inductor);
@@ -85,6 +87,8 @@ speed() {  # speed PRESET COMPILE PRECISION: one row of the matrix
 }
 read -r preset compile precision < <(rows | head -1)
 speed "$preset" "$compile" "$precision"
+run seeds8_size1m 90 python3 benchmarks/train_speed.py --configs dmc_proprio recipe2024 size1m --task dmc_walker_walk \
+  --device cuda --compile False --precision bf16 --seeds 8 --updates 5 --warmup 2
 run tests 150 env DREAMER_TEST_DEVICE=cuda DREAMER_TEST_BACKEND=inductor python3 -m pytest -q \
   tests/test_compile.py tests/test_replay_device.py tests/test_whole_update.py
 run train_vision 120 python3 dreamer.py --configs dmc_vision --task dmc_walker_walk --device cuda \
@@ -101,6 +105,8 @@ echo "|---|---|"
 echo "| tests (compile, replay_device, whole update) on cuda | ${status[tests]:-not run}: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$out/tests.txt" 2>/dev/null | tail -1) |"
 fps=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(f\"{[r for r in rows if 'perf/fps' in r][-1]['perf/fps']:.1f}\")" \
   "$out/train_vision_logdir/metrics.jsonl" 2>/dev/null || echo "?")
+seeds=$(grep -E '^(one seed|8 seeds batched|ratio):' "$out/seeds8_size1m.txt" 2>/dev/null | tr '\n' ' ' || echo "-")
+echo "| 8 seeds batched vs one seed, size1m, eager, bf16 | ${status[seeds8_size1m]:-not run}: $seeds |"
 echo "| dmc_vision run (compile update, precision bf16, replay on the GPU, train ratio 512) | ${status[train_vision]:-not run}; last logged env frames/s: $fps |"
 echo
 echo "| preset | compile | precision | s/update | updates/s | kernel launches/update | peak memory | status |"

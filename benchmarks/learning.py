@@ -68,7 +68,14 @@ class RunnerError(ValueError):
 # ==================================================================================================
 
 
-def run_dir(out, task, code, seed):
+BATCHED = "project_seeds"  # --batched: the project's seeds of a task in one process, OUT/TASK/project_seeds/seed<k>
+
+
+def run_dir(out, task, code, seed, batched=None):
+    """The logdir of one seed's run; with `batched` (the first seed of --batched) the project's seed
+    is seed<k> of the one process of the task's seeds (dreamer.py --seeds)."""
+    if batched is not None and code == "project":
+        return pathlib.Path(out) / task / BATCHED / f"seed{seed - batched}"
     return pathlib.Path(out) / task / f"{code}_s{seed}"
 
 
@@ -86,7 +93,10 @@ def command(code, task, seed, flags, logdir, args):
 
 
 def finished(logdir):
-    path = pathlib.Path(logdir) / "runner.json"
+    logdir = pathlib.Path(logdir)
+    if logdir.parent.name == BATCHED and logdir.name.startswith("seed"):  # its process's record
+        logdir = logdir.parent
+    path = logdir / "runner.json"
     if not path.is_file():
         return False
     try:
@@ -248,9 +258,10 @@ def load_published(path):
         raise RunnerError(f"--official-stats {path}: not a table of published official seeds ({e})") from None
 
 
-def report(out, tasks, seeds, codes, total, bin_frames, published=None):
+def report(out, tasks, seeds, codes, total, bin_frames, published=None, batched=None):
     """learning.md and learning.png under OUT; returns the markdown. `published` (load_published):
-    the official seeds of a task without official runs under OUT, as published earlier."""
+    the official seeds of a task without official runs under OUT, as published earlier; `batched`:
+    the project's seeds ran as one process from this first seed (run_dir)."""
     reference = plot.load_reference()
     lines, runs = [], []
     published = published or {}
@@ -261,7 +272,7 @@ def report(out, tasks, seeds, codes, total, bin_frames, published=None):
         curves = {}
         for code in codes:
             for seed in seeds:
-                logdir = run_dir(out, task, code, seed)
+                logdir = run_dir(out, task, code, seed, batched)
                 data = returns(logdir)
                 if data is None:
                     continue
@@ -328,6 +339,8 @@ def parse_args(argv):
     parser.add_argument("--bin", type=float, default=2500, help="frames per window of the report's table")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
     parser.add_argument("--report", action="store_true", help="only write the report")
+    parser.add_argument("--batched", action="store_true", help="run the project's seeds of a task as one "
+                        "process, one batched update (dreamer.py --seeds N); the seeds must be consecutive")
     parser.add_argument("--official-stats", type=pathlib.Path, help="with --codes project: the official seeds "
                         "as published (e.g. benchmarks/official_rounds.json) for tasks without official runs")
     args = parser.parse_args(own)
@@ -340,6 +353,10 @@ def parse_args(argv):
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         raise RunnerError(f"--seeds {args.seeds}: give whole numbers, e.g. 0,1,2") from None
+    if args.batched and args.seeds != list(range(args.seeds[0], args.seeds[0] + len(args.seeds))):
+        raise RunnerError(f"--batched needs consecutive seeds (dreamer.py --seeds N trains seed .. seed + N - 1), "
+                          f"not {','.join(map(str, args.seeds))}")
+    args.first = args.seeds[0] if args.batched else None
     for name in ("parallel", "threads"):
         if getattr(args, name) < 1:
             raise RunnerError(f"--{name} {getattr(args, name)}: give a whole number >= 1")
@@ -347,7 +364,7 @@ def parse_args(argv):
             args.official and (args.official / "dreamerv3" / "main.py").is_file()):
         raise RunnerError(f"--official {args.official}: needs a checkout of danijar/dreamerv3 (with "
                           "dreamerv3/main.py), or --codes project")
-    for key in ("--task", "--seed", "--logdir"):
+    for key in ("--task", "--seed", "--seeds", "--logdir"):
         if key in flags:
             raise RunnerError(f"{key} after --: the runner sets it for each run")
     args.flags = flags
@@ -376,8 +393,15 @@ def main(argv=None):
         return 2
     jobs = []
     for task in args.tasks:
+        if args.batched and "project" in args.codes:
+            logdir = pathlib.Path(args.out) / task / BATCHED
+            argv_, env = command("project", task, args.first, [*args.flags, "--seeds", str(len(args.seeds))],
+                                 logdir, args)
+            jobs.append({"logdir": logdir, "argv": argv_, "env": env})
         for seed in args.seeds:
             for code in args.codes:
+                if args.batched and code == "project":
+                    continue
                 logdir = run_dir(args.out, task, code, seed)
                 argv_, env = command(code, task, seed, args.flags, logdir, args)
                 jobs.append({"logdir": logdir, "argv": argv_, "env": env})
@@ -386,14 +410,16 @@ def main(argv=None):
             state = "finished, skipped" if finished(job["logdir"]) else "to run"
             print(f"OMP_NUM_THREADS={args.threads} {shlex.join(job['argv'])}  # {state}")
         return 0
-    if args.report and not any(returns(job["logdir"]) is not None for job in jobs):
+    seed_dirs = [run_dir(args.out, task, code, seed, args.first) for task in args.tasks for code in args.codes
+                 for seed in args.seeds]
+    if args.report and not any(returns(logdir) is not None for logdir in seed_dirs):
         # a mistyped --out or task would otherwise write an empty report over nothing
         print(f"learning.py: --report: no run of {','.join(args.tasks)} with an episode under --out {args.out}",
               file=sys.stderr)
         return 2
     if not args.report:
         run_all(jobs, args)
-    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.published))
+    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.published, args.first))
     return 0
 
 

@@ -20,12 +20,20 @@ other aten operator: about one kernel launch each on a GPU) and compiled (fused)
 
     python3 benchmarks/train_speed.py --configs dmc_proprio recipe2024 size1m --task dmc_cartpole_balance \
         --device cpu --batch_size 16 --batch_length 64 --threads 1 --compare --updates 3 --rounds 3
+
+--seeds N times one seed's update alone (at the given --compile) against N seeds in one batched
+update (seeds.py, eager), interleaved over --rounds rounds; its last line is `ratio: X`, the
+seed-updates per second of the N batched over those of one alone.
+
+    python3 benchmarks/train_speed.py --configs dmc_proprio recipe2024 size1m --task dmc_cartpole_balance \
+        --device cpu --threads 1 --seeds 4 --compile False --updates 5 --rounds 3
 """
 
 import argparse
 import os
 import pathlib
 import resource
+import statistics
 import sys
 import time
 
@@ -39,6 +47,7 @@ import dreamer  # noqa: E402
 import envs  # noqa: E402
 import launch  # noqa: E402
 import models  # noqa: E402
+import seeds  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
@@ -89,7 +98,7 @@ def top_operators(profiler, count=6):
 def usage():
     return ("usage: python3 benchmarks/train_speed.py [--configs PRESET ...] [--KEY VALUE ...] [--updates N] "
             "[--warmup N] [--threads N] [--profile] [--no_malloc_tuning] [--compare [--compile_modes M,...] "
-            "[--precisions P,...] [--rounds N]]\n\n" + __doc__.strip()
+            "[--precisions P,...] [--rounds N]] [--seeds N [--rounds N]]\n\n" + __doc__.strip()
             + "\n\nConfig keys and presets: python3 dreamer.py --help")
 
 
@@ -173,12 +182,66 @@ def compare(args, config, env, replay, length):
     print(f"updates_per_s={1 / statistics.median(times[settings[-1]]):.4f}")
 
 
+def seeds_speed(args, config, env, replay, length):
+    """--seeds N: one seed's update alone (at the config's --compile) and N seeds' batched update
+    (eager, as --seeds runs it), interleaved over --rounds rounds of --updates updates each; prints
+    the seed-updates per second of both and `ratio: X`, the batched ones over the alone ones."""
+    if args.seeds < 1:
+        cfg.fail(f"Invalid value '{args.seeds}' for --seeds; valid: a whole number >= 1")
+    alone = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)
+    eager = config.replace(compile=False)
+    agents, generators = [], []
+    for k in range(args.seeds):
+        torch.manual_seed(config.seed + k)
+        agents.append(dreamer.Dreamer(env.obs_space, env.act_space, eager).to(config.device))
+        generators.append(seeds.seed_generator(config.device))
+    batched = seeds.BatchedUpdate(agents, generators)
+    sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
+
+    def one(batches):
+        for batch in batches[0]:
+            metrics, _ = alone.update.train_step(batch)
+        float(metrics["model_loss"])
+
+    def many(batches):
+        for i in range(args.updates):
+            results = batched.run({k: (batches[k][i], None) for k in range(args.seeds)})
+        float(results[0][0]["model_loss"])
+
+    def sample():
+        return [[replay.sample(config.batch_size, length) for _ in range(args.updates)] for _ in range(args.seeds)]
+
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        one(sample())
+        many(sample())
+    sync()
+    warmup_s = time.perf_counter() - start
+    times = {"one": [], "many": []}
+    for _ in range(args.rounds):
+        for name, fn in (("one", one), ("many", many)):
+            batches = sample()
+            start = time.perf_counter()
+            fn(batches)
+            sync()
+            times[name].append((time.perf_counter() - start) / args.updates)
+    alone_s, batched_s = statistics.median(times["one"]), statistics.median(times["many"])
+    print(f"task {config.task}  device {config.device}  threads {torch.get_num_threads()}  batch "
+          f"{config.batch_size}x{config.batch_length}  one seed: compile {alone.config.compile}; {args.seeds} seeds "
+          f"batched: eager  ({args.rounds} rounds of {args.updates} updates, warm-up {warmup_s:.1f} s)")
+    print(f"one seed: {alone_s:.3f} s per update, {1 / alone_s:.3f} seed-updates/s")
+    print(f"{args.seeds} seeds batched: {batched_s:.3f} s per update, {args.seeds / batched_s:.3f} seed-updates/s "
+          f"({batched_s / alone_s:.2f}x one seed's time)   peak memory: {peak_memory_mb(config.device):.0f} MB")
+    print(f"ratio: {(args.seeds / batched_s) / (1 / alone_s):.2f}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(usage())
         return
-    parser = argparse.ArgumentParser(add_help=False)
+    # allow_abbrev off: --compile is the config key, not an abbreviation of --compile_modes
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
@@ -189,6 +252,8 @@ def main(argv=None):
     parser.add_argument("--compile_modes", default="False,True")
     parser.add_argument("--precisions", default="32,bf16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="time N seeds in one batched update (seeds.py) against one seed alone")
     args, rest = parser.parse_known_args(argv)
     try:
         config, _ = launch.resolve_device(cfg.parse(rest))
@@ -208,6 +273,10 @@ def main(argv=None):
     length = config.batch_length + config.replay_context  # the context steps only give the start latent
     if args.compare:
         compare(args, config, env, replay, length)
+        env.close()
+        return
+    if args.seeds:
+        seeds_speed(args, config, env, replay, length)
         env.close()
         return
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(config.device)

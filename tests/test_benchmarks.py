@@ -84,8 +84,9 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
                          env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.strip().splitlines()]
-    # tests, a training run, size1m x 3 compile modes x 3 precisions, vision x 2 compile modes
-    assert len(commands) == 13
+    # tests, a training run, size1m x 3 compile modes x 3 precisions, vision x 2 compile modes, 8 seeds batched
+    assert len(commands) == 14
+    assert sum("--seeds" in words for words in commands) == 1
     speeds = [(words[words.index("--configs") + 1], words[words.index("--compile") + 1]) for words in commands
               if "benchmarks/train_speed.py" in words]
     assert {mode for configs, mode in speeds} == {"False", "True", "update"}
@@ -101,7 +102,9 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
         assert words[0] == "python3" and (ROOT / words[1]).exists()
         args = words[2:]
         if words[1] == "benchmarks/train_speed.py":
-            for flag in ("--updates", "--warmup"):  # train_speed's own flags; the rest are config keys
+            for flag in ("--updates", "--warmup", "--seeds"):  # train_speed's own flags; the rest are config keys
+                if flag == "--seeds" and flag not in args:
+                    continue
                 assert f'add_argument("{flag}"' in speed_source
                 index = args.index(flag)
                 del args[index:index + 2]

@@ -189,3 +189,30 @@ def test_wandb_offline_run_holds_scalars_and_config_and_resumes_with_its_id(tmp_
     assert resumed_id == run_id
     assert max(row["step"] for row in resumed if "step" in row) == 600
     assert csv_rows(logdir)[1] == jsonl_rows(logdir)
+
+
+def test_wandb_with_seeds_makes_a_run_per_seed_grouped_by_the_logdir(tmp_path):
+    """--seeds 2: two W&B runs in one process (reinit create_new), each with its seed's own id,
+    history and name <logdir>-seed<k>, grouped under the logdir's name when no group is given."""
+    logdir = tmp_path / "walker"
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), WANDB_MODE="offline",
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"),
+               WANDB_DATA_DIR=str(tmp_path / "wandb_data"))
+    command = [sys.executable, str(ROOT / "dreamer.py"), *DEBUG, "--logdir", str(logdir), "--steps", "200",
+               "--seeds", "2", "--video_pred_log", "False", "--logger", "jsonl,wandb", "--wandb.project", "seeds"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ids = []
+    for k in range(2):
+        run = logdir / f"seed{k}"
+        (folder,) = sorted((run / "wandb").glob("offline-run-*"))
+        run_id, config, history = read_wandb_run(folder)
+        assert run_id == (run / "wandb_id.txt").read_text().strip()
+        assert config["seed"] == k
+        returns = [row["train/return"] for row in history if "train/return" in row]
+        assert returns == [row["train/return"] for row in jsonl_rows(run) if "train/return" in row] and returns
+        ids.append(run_id)
+        records = wandb_records(next(folder.glob("run-*.wandb")))
+        (record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        assert (record.display_name, record.run_group) == (f"walker-seed{k}", "walker")
+    assert ids[0] != ids[1]

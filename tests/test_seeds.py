@@ -227,3 +227,35 @@ def test_what_seeds_cannot_do_is_one_line_and_exit_2(tmp_path, capsys, flags, sa
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # its own process: the signal handler is the point
+def test_sigterm_saves_every_seed_and_a_rerun_resumes_them(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    logdir = tmp_path / "run"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), OMP_NUM_THREADS="1")
+    argv = [sys.executable, str(root / "dreamer.py"), *FLAGS, "--seeds", "2", "--logdir", str(logdir)]
+    process = subprocess.Popen([*argv, "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not all(list((logdir / f"seed{k}" / "train_eps").glob("*.npz"))
+                                             for k in range(2)):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert err.strip().splitlines() == ["Stopped by SIGTERM; rerun the same command to resume."]
+    saved = [torch.load(logdir / f"seed{k}" / "latest.pt", weights_only=True)["counters"] for k in range(2)]
+    assert all(counters["policy_steps"] >= 10 for counters in saved), saved
+    result = subprocess.run([*argv, "--steps", str(2 * max(c["policy_steps"] for c in saved) + 20)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("Run: resumed from frame") == 1  # the summary, of seed0
+    for k in range(2):
+        assert f"seed{k}: frames" in result.stdout

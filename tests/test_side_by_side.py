@@ -327,3 +327,29 @@ def test_runner_mistakes_are_one_line_and_exit_2(tmp_path, capsys, argv, words):
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing half-done: no report over no runs
+
+
+def test_batched_runs_the_project_seeds_of_a_task_as_one_process_and_reports_them(tmp_path, capsys):
+    """--batched: one dreamer.py --seeds N per task, whose seed<k> folders the report reads as seeds
+    first .. first + N - 1, finished once their process is; non-consecutive seeds are exit 2."""
+    code = learning.main(["--tasks", "dmc_walker_walk", "--seeds", "3,4,5", "--codes", "project", "--batched",
+                          "--out", str(tmp_path), "--dry-run", "--", *SETTINGS])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(lines) == 1
+    assert "--seeds 3 --task dmc_walker_walk --seed 3 --logdir" in lines[0] and lines[0].endswith("# to run")
+    assert learning.main(["--tasks", "dmc_walker_walk", "--seeds", "0,2", "--codes", "project", "--batched",
+                          "--out", str(tmp_path), "--dry-run", "--", *SETTINGS]) == 2
+    assert "--batched needs consecutive seeds" in capsys.readouterr().err
+    process = tmp_path / "dmc_walker_walk" / learning.BATCHED
+    for seed, level in zip((3, 4, 5), (100.0, 90.0, 110.0)):
+        logdir = learning.run_dir(tmp_path, "dmc_walker_walk", "project", seed, batched=3)
+        assert logdir == process / f"seed{seed - 3}"
+        logdir.mkdir(parents=True)
+        rows = [{"step": step, "train/return": level if step > 15000 else 40.0} for step in range(1000, 20001, 1000)]
+        (logdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert not learning.finished(process / "seed0")
+    (process / "runner.json").write_text(json.dumps({"status": "finished", "exit": 0}))
+    assert learning.finished(process / "seed0")
+    published = learning.load_published(ROOT / "benchmarks" / "official_rounds.json")
+    text = learning.report(tmp_path, ["dmc_walker_walk"], [3, 4, 5], ["project"], 20000, 5000, published, 3)
+    assert "| project | 3 |" in text and "Verdict: **matches**" in text
