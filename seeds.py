@@ -79,9 +79,6 @@ class Stack:
                     tensor.data = stacked.data[k]
                 found[name] = stacked
 
-    def rows(self, name_filter=None):
-        return {k: v for k, v in self.params.items() if name_filter is None or name_filter(k)}
-
 
 # ==================================================================================================
 # The batched update
@@ -111,8 +108,6 @@ class SeedLosses(torch.nn.Module):
                 terms, behavior_metrics = models.behavior_losses(behavior, post, data, bool(config.critic.repval),
                                                                  replay_graph=part == "all")
                 losses.update(terms)
-        if part == "all":
-            models.check_terms(losses, wm.scales, update.optimizers, size, length)
         metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
         post = {k: v.detach() for k, v in post.items()}
         return losses, metrics, post
@@ -194,10 +189,12 @@ class BatchedUpdate:
             losses, part_metrics, post = self.losses(data, "model", present)
             self.step("model", losses, present, metrics)
             behavior_losses, behavior_metrics, _ = self.losses(data, "behavior", present, post, frozen="agent.wm.")
+            self.check({**losses, **behavior_losses}, data)
             self.step_rest(behavior_losses, present, metrics)
             part_metrics.update(behavior_metrics)
         else:
             losses, part_metrics, post = self.losses(data, "all", present)
+            self.check(losses, data)
             self.step_rest(losses, present, metrics)
         for name, rows in kept.items():  # an absent seed's return normalisation and counters stay as they were
             self.stack.buffers[name].data[absent] = rows
@@ -215,6 +212,14 @@ class BatchedUpdate:
             latents = agent.context.latents({key: value[k] for key, value in post.items()})
             results[k] = (found, latents)
         return results
+
+    def check(self, losses, data):
+        """Every seed's terms against the one table (models.check_terms), as Update.train_step
+        checks them before stepping: seed 0's, whose shapes and names all seeds share."""
+        template = self.agents[0]
+        size, length = data["is_first"].shape[1:]
+        models.check_terms({k: v[0] for k, v in losses.items()}, template.wm.scales, template.update.optimizers,
+                           size, length - template.context.steps)
 
     def losses(self, data, part, present, post=None, frozen=None):
         """Every seed's loss terms {term: (N, B, T)}, metrics {name: (N,)} and posteriors, in one
