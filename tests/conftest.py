@@ -1,7 +1,8 @@
 """Fixtures shared by several test files, the `slow` tier and the per-test time limit.
 
-The tiers: `python3 -m pytest -m "not slow"` is the quick check while changing code (about two
-minutes: 680 tests in 205 s at two threads on a 2-core machine beside a one-thread run); `python3 -m pytest -q` runs
+The tiers: `python3 -m pytest -m "not slow"` is the quick check while changing code (680 tests in 205 s at two
+threads on a 2-core machine beside a one-thread run at ecee42a; tests/test_seeds.py's runs of batched seeds against
+seeds alone add about three minutes at one thread); `python3 -m pytest -q` runs
 everything (README, Tests; .ci/run). A test is slow when it starts processes, compiles
 (torch.compile, models.compile_update / compile_steps), or uses a module fixture that trains or
 starts processes: pytest_collection_modifyitems marks it by reading the code the test and its
