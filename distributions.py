@@ -29,14 +29,18 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
+def _thread_setting(name, value):
+    before = getattr(_local, name, None)
+    setattr(_local, name, value)
+    try:
+        yield value
+    finally:
+        setattr(_local, name, before)
+
+
 def generator(gen):
     """Draw the noise of this thread's samples from `gen` (a torch.Generator) in the block."""
-    before = getattr(_local, "generator", None)
-    _local.generator = gen
-    try:
-        yield gen
-    finally:
-        _local.generator = before
+    return _thread_setting("generator", gen)
 
 
 def current_generator():
@@ -44,15 +48,9 @@ def current_generator():
     return getattr(_local, "generator", None)
 
 
-@contextlib.contextmanager
 def tape(source):
     """Take the noise of this thread's samples from `source` (a Tape) in the block."""
-    before = getattr(_local, "tape", None)
-    _local.tape = source
-    try:
-        yield source
-    finally:
-        _local.tape = before
+    return _thread_setting("tape", source)
 
 
 def uniform(shape, device):
