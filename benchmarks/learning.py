@@ -31,10 +31,14 @@ lies above the best single episode of the first quarter (what luck reaches befor
 the first quarter's mean is not enough: at a budget where neither code learns, noise passes it, and
 agreement then says nothing).
 
-`--official-stats benchmarks/official_rounds.json` (with `--codes project`): a task whose official runs are not
-under OUT takes the official seeds' last-quarter means and first-quarter bests as published in an earlier round
-(the table's row then has no curve). `--dry-run` prints every command and starts nothing; `--device cuda`
-after `--` runs both codes on a GPU (the official one needs its CUDA wheels in `--official-python`). Bad
+A session's logdirs do not outlive it, so finished runs are kept in the repository:
+`--kept benchmarks/learning_rounds.json --keep ROUND` writes every finished run under OUT into that file (its
+training episodes, the round, the commit that runner.json recorded, the date), and `--kept FILE` alone lets a seed of
+either code with no run under OUT take its kept run, so a task's seeds can be run over several sessions and
+reported together (the report names the kept seeds). The file holds one setting: `--keep` refuses flags after `--`
+other than the file's. Runs of rounds 3-5, whose logs were not kept, are there as their published last-quarter
+mean and best first-quarter episode only (no curve). `--dry-run` prints every command and starts nothing;
+`--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels in `--official-python`). Bad
 input: one line, exit 2.
 """
 
@@ -92,11 +96,14 @@ def command(code, task, seed, flags, logdir, args):
     raise AssertionError(code)  # validated in parse_args
 
 
-def finished(logdir):
+def runner_dir(logdir):
+    """The folder of the runner.json that records a seed's process: a seed of --batched shares its task's."""
     logdir = pathlib.Path(logdir)
-    if logdir.parent.name == BATCHED and logdir.name.startswith("seed"):  # its process's record
-        logdir = logdir.parent
-    path = logdir / "runner.json"
+    return logdir.parent if logdir.parent.name == BATCHED and logdir.name.startswith("seed") else logdir
+
+
+def finished(logdir):
+    path = runner_dir(logdir) / "runner.json"
     if not path.is_file():
         return False
     try:
@@ -105,8 +112,20 @@ def finished(logdir):
         return False
 
 
-def record(logdir, status, argv, started, code):
-    data = {"status": status, "exit": code, "seconds": round(time.time() - started, 1), "command": shlex.join(argv)}
+def commit_of(code, args):
+    """The commit a run of `code` runs (of this repository, or of the --official checkout), or None."""
+    where = ROOT if code == "project" else args.official
+    try:
+        found = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                               text=True, check=False)
+    except OSError:
+        return None
+    return found.stdout.strip() or None
+
+
+def record(logdir, status, argv, started, code, commit):
+    data = {"status": status, "exit": code, "seconds": round(time.time() - started, 1), "command": shlex.join(argv),
+            "commit": commit}
     path = pathlib.Path(logdir) / "runner.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -145,7 +164,7 @@ def run_all(jobs, args):
             else:
                 status = "finished" if code == 0 else "failed"
             job["log"].close()
-            record(job["logdir"], status, job["argv"], job["started"], code)
+            record(job["logdir"], status, job["argv"], job["started"], code, job["commit"])
             print(f"learning.py: {status} (exit {code}) after {time.time() - job['started']:.0f} s: {job['logdir']}",
                   flush=True)
             running.remove(job)
@@ -246,63 +265,126 @@ def spread(stats):
             + (f". Best first-quarter episode per seed: {bars}." if bars else "."))
 
 
-def load_published(path):
-    """{task: {"last": [...], "first": [...], "round": n}} from `--official-stats` (None: none)."""
+KEPT_SOURCE = ("Finished runs of benchmarks/learning.py kept across sessions (a session's logdirs do not outlive it), "
+               "written by `learning.py --keep ROUND`: per task, code and seed the training episodes "
+               "[frames, return] of metrics.jsonl, or, for runs whose logs were not kept, only the last-quarter mean "
+               "('last') and the best first-quarter episode ('first_best') as benchmarks/README.md published them.")
+
+
+def load_kept(path):
+    """{"flags": str, "runs": {(task, code, seed): record}} of a `--kept` file (None: no runs). A record has
+    "round", "commit", "date" and either "episodes" ([[frames, return], ...]) or "last" and "first_best"."""
     if path is None:
-        return {}
+        return {"flags": None, "runs": {}}
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return {"flags": None, "runs": {}}
     try:
-        tasks = json.loads(pathlib.Path(path).read_text())["tasks"]
-        return {task: {"last": [float(v) for v in row["last"]], "first": [float(v) for v in row["first_best"]],
-                       "round": row["round"]} for task, row in tasks.items()}
+        data = json.loads(path.read_text())
+        runs = {}
+        for row in data["runs"]:
+            if row["code"] not in CODES or not ("episodes" in row or {"last", "first_best"} <= set(row)):
+                raise ValueError(f"a run of {row['task']} without episodes or summary, or of code {row['code']}")
+            runs[(row["task"], row["code"], int(row["seed"]))] = row
+        return {"flags": data["flags"], "runs": runs}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunnerError(f"--official-stats {path}: not a table of published official seeds ({e})") from None
+        raise RunnerError(f"--kept {path}: not a file of kept runs ({e})") from None
 
 
-def report(out, tasks, seeds, codes, total, bin_frames, published=None, batched=None):
-    """learning.md and learning.png under OUT; returns the markdown. `published` (load_published):
-    the official seeds of a task without official runs under OUT, as published earlier; `batched`:
-    the project's seeds ran as one process from this first seed (run_dir)."""
-    reference = plot.load_reference()
-    lines, runs = [], []
-    published = published or {}
+def kept_stats(row, total):
+    """(steps, values) or None, and (first-quarter best, last-quarter mean) of a kept run."""
+    if "episodes" not in row:
+        return None, (float(row["first_best"]), float(row["last"]))
+    steps, values = (np.array(column, float) for column in zip(*row["episodes"]))
+    return (steps, values), (first_quarter_best(steps, values, total), quarter_means(steps, values, total)[1])
+
+
+def keep(out, tasks, seeds, codes, batched, kept_path, round_, flags):
+    """Write each finished run under OUT into the `--kept` file (replacing a kept run of the same task, code
+    and seed), with its episodes, `round_`, the commit runner.json recorded and today's date; returns how
+    many. The file holds runs of one setting: its flags must be `flags`, which every kept run's command holds."""
+    kept = load_kept(kept_path)
+    flags = shlex.join(flags)
+    if kept["flags"] is not None and kept["flags"] != flags:
+        raise RunnerError(f"--keep: the flags after -- are not those of {kept_path} ({kept['flags']})")
+    rows, count = dict(kept["runs"]), 0
     for task in tasks:
-        stats = {code: {"first": [], "last": [], "seeds": []} for code in codes}
-        if task in published and "official" not in codes:
-            stats["official"] = {"first": published[task]["first"], "last": published[task]["last"], "seeds": []}
-        curves = {}
         for code in codes:
             for seed in seeds:
                 logdir = run_dir(out, task, code, seed, batched)
                 data = returns(logdir)
-                if data is None:
+                if data is None or not finished(logdir):
                     continue
+                record = json.loads((runner_dir(logdir) / "runner.json").read_text())
+                if flags not in record.get("command", "") or not record.get("commit"):
+                    raise RunnerError(f"--keep: {logdir} ran with other flags or records no commit "
+                                      f"(runner.json: {record.get('command')!r}, commit {record.get('commit')!r})")
                 steps, values = data
-                curves.setdefault(code, []).append((steps, values))
-                runs.append(f"{code}={logdir}")
-                _, last = quarter_means(steps, values, total)
-                if not finished(logdir):
-                    last = None  # a run still going (or stopped) says nothing about its last quarter
+                rows[(task, code, seed)] = {
+                    "task": task, "code": code, "seed": seed, "round": round_, "commit": record["commit"],
+                    "date": time.strftime("%Y-%m-%d"),
+                    "episodes": [[int(f), round(float(v), 2)] for f, v in zip(steps, values)]}
+                count += 1
+    text = json.dumps({"source": KEPT_SOURCE, "flags": flags, "runs": []}, indent=1)
+    body = ",\n".join("  " + json.dumps(row) for _, row in sorted(rows.items()))
+    text = text.replace('"runs": []', '"runs": [\n' + body + "\n ]")
+    tmp = pathlib.Path(f"{kept_path}.tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, kept_path)
+    return count
+
+
+def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None):
+    """learning.md and learning.png under OUT; returns the markdown. `kept` (load_kept): a seed of either
+    code with no run under OUT (or of a code not in `codes`) takes its kept run; `batched`: the project's
+    seeds ran as one process from this first seed (run_dir)."""
+    reference = plot.load_reference()
+    lines, runs = [], []
+    kept = (kept or {"runs": {}})["runs"]
+    extra = {}  # task -> {code: [(steps, values)]}: kept curves for the figure
+    for task in tasks:
+        stats = {code: {"first": [], "last": [], "seeds": [], "kept": []} for code in CODES}
+        curves = {}
+        for code in CODES:
+            for seed in seeds:
+                logdir = run_dir(out, task, code, seed, batched)
+                data = returns(logdir) if code in codes else None
+                if data is not None:
+                    steps, values = data
+                    runs.append(f"{code}={logdir}")
+                    first, last = first_quarter_best(steps, values, total), quarter_means(steps, values, total)[1]
+                    if not finished(logdir):
+                        last = None  # a run still going (or stopped) says nothing about its last quarter
+                elif (task, code, seed) in kept:
+                    row = kept[(task, code, seed)]
+                    data, (first, last) = kept_stats(row, total)
+                    stats[code]["kept"].append(f"{seed} (round {row['round']}, {row['commit']})")
+                    if data is not None:
+                        extra.setdefault(task, {}).setdefault(code, []).append(data)
+                else:
+                    continue
+                if data is not None:
+                    curves.setdefault(code, []).append(data)
                 stats[code]["seeds"].append(seed)
-                stats[code]["first"].append(first_quarter_best(steps, values, total))
+                stats[code]["first"].append(first)
                 if last is not None:
                     stats[code]["last"].append(last)
+        stats = {code: values for code, values in stats.items() if values["seeds"]}
         frames = np.arange(bin_frames, total + bin_frames / 2, bin_frames)
         lines += [f"### {task}", "", "| code | seeds | " + " | ".join(plot.format_frames(f) for f in frames)
                   + " | last quarter, per seed |", "|---" * (len(frames) + 3) + "|"]
-        for code, seeds_curves in curves.items():
-            agg = plot.aggregate(seeds_curves, bin_frames)
-            cells = []
-            for f in frames:
-                hit = np.flatnonzero(agg["frames"] == f)
-                cells.append(f"{agg['mean'][hit[0]]:.0f} ({agg['min'][hit[0]]:.0f}-{agg['max'][hit[0]]:.0f})"
-                             if len(hit) else "")
-            last = ", ".join(f"{v:.0f}" for v in stats[code]["last"]) or "unfinished"
-            lines.append(f"| {code} | {len(seeds_curves)} | " + " | ".join(cells) + f" | {last} |")
-        if task in published and "official" not in codes:
-            row = published[task]
-            cells = " | " * (len(frames) - 1)  # no curve was kept, only each seed's last quarter
-            lines.append(f"| official (round {row['round']}, published) | {len(row['last'])} | {cells} | "
-                         + ", ".join(f"{v:.0f}" for v in row["last"]) + " |")
+        for code, values in stats.items():
+            cells = [""] * len(frames)
+            if code in curves:
+                agg = plot.aggregate(curves[code], bin_frames)
+                for i, f in enumerate(frames):
+                    hit = np.flatnonzero(agg["frames"] == f)
+                    if len(hit):
+                        cells[i] = f"{agg['mean'][hit[0]]:.0f} ({agg['min'][hit[0]]:.0f}-{agg['max'][hit[0]]:.0f})"
+            without = len(values["seeds"]) - len(curves.get(code, []))
+            count = f"{len(values['seeds'])}" + (f" ({without} without a curve)" if without else "")
+            last = ", ".join(f"{v:.0f}" for v in values["last"]) or "unfinished"
+            lines.append(f"| {code} | {count} | " + " | ".join(cells) + f" | {last} |")
         curve = plot.find_reference(reference, "dmc_proprio" if task.startswith("dmc") else None, task)
         if curve is not None:
             cells = [f"{curve['mean'][np.flatnonzero(curve['frames'] == f)[0]]:.0f}"
@@ -310,11 +392,18 @@ def report(out, tasks, seeds, codes, total, bin_frames, published=None, batched=
             lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
         decision = verdict(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []),
                            stats.get("official", {}).get("first", []))
-        lines += ["", f"Verdict: **{decision}**", "", spread(stats), ""]
+        lines += ["", f"Verdict: **{decision}**", "", spread(stats)]
+        kept_lines = [f"{code} seeds {', '.join(values['kept'])}" for code, values in stats.items() if values["kept"]]
+        lines += ([f"Kept from earlier rounds: {'; '.join(kept_lines)}."] if kept_lines else []) + [""]
     text = "\n".join(lines) + "\n"
     pathlib.Path(out, "learning.md").write_text(text)
-    if runs:
-        groups = plot.collect(runs, "train/return", "dmc_proprio", reference)
+    if runs or extra:
+        groups = plot.collect(runs, "train/return", "dmc_proprio", reference) if runs else {}
+        for task, by_code in extra.items():
+            group = groups.setdefault(task, {"seeds": [], "several": [], "named": {},
+                                             "reference": plot.find_reference(reference, "dmc_proprio", task)})
+            for code, data in by_code.items():
+                group["named"].setdefault(code, []).extend(data)
         plot.plot(groups, "train/return", pathlib.Path(out, "learning.png"), spread="minmax", bin_frames=bin_frames)
     return text
 
@@ -341,8 +430,10 @@ def parse_args(argv):
     parser.add_argument("--report", action="store_true", help="only write the report")
     parser.add_argument("--batched", action="store_true", help="run the project's seeds of a task as one "
                         "process, one batched update (dreamer.py --seeds N); the seeds must be consecutive")
-    parser.add_argument("--official-stats", type=pathlib.Path, help="with --codes project: the official seeds "
-                        "as published (e.g. benchmarks/official_rounds.json) for tasks without official runs")
+    parser.add_argument("--kept", type=pathlib.Path, help="runs kept from earlier rounds (e.g. "
+                        "benchmarks/learning_rounds.json): a seed without a run under --out takes its kept run")
+    parser.add_argument("--keep", type=int, metavar="ROUND", help="write the finished runs under --out into the "
+                        "--kept file as round ROUND (the flags after -- must be the file's)")
     args = parser.parse_args(own)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.codes = [c for c in args.codes.split(",") if c]
@@ -369,7 +460,9 @@ def parse_args(argv):
             raise RunnerError(f"{key} after --: the runner sets it for each run")
     args.flags = flags
     args.total = steps_of(flags)
-    args.published = load_published(args.official_stats)
+    if args.keep is not None and args.kept is None:
+        raise RunnerError(f"--keep {args.keep}: name the file to keep the runs in with --kept")
+    args.kept_runs = load_kept(args.kept)
     return args
 
 
@@ -397,14 +490,14 @@ def main(argv=None):
             logdir = pathlib.Path(args.out) / task / BATCHED
             argv_, env = command("project", task, args.first, [*args.flags, "--seeds", str(len(args.seeds))],
                                  logdir, args)
-            jobs.append({"logdir": logdir, "argv": argv_, "env": env})
+            jobs.append({"logdir": logdir, "argv": argv_, "env": env, "commit": commit_of("project", args)})
         for seed in args.seeds:
             for code in args.codes:
                 if args.batched and code == "project":
                     continue
                 logdir = run_dir(args.out, task, code, seed)
                 argv_, env = command(code, task, seed, args.flags, logdir, args)
-                jobs.append({"logdir": logdir, "argv": argv_, "env": env})
+                jobs.append({"logdir": logdir, "argv": argv_, "env": env, "commit": commit_of(code, args)})
     if args.dry_run:
         for job in jobs:
             state = "finished, skipped" if finished(job["logdir"]) else "to run"
@@ -412,14 +505,23 @@ def main(argv=None):
         return 0
     seed_dirs = [run_dir(args.out, task, code, seed, args.first) for task in args.tasks for code in args.codes
                  for seed in args.seeds]
-    if args.report and not any(returns(logdir) is not None for logdir in seed_dirs):
+    kept = any(key[0] in args.tasks and key[2] in args.seeds for key in args.kept_runs["runs"])
+    if args.report and not kept and not any(returns(logdir) is not None for logdir in seed_dirs):
         # a mistyped --out or task would otherwise write an empty report over nothing
         print(f"learning.py: --report: no run of {','.join(args.tasks)} with an episode under --out {args.out}",
               file=sys.stderr)
         return 2
     if not args.report:
         run_all(jobs, args)
-    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.published, args.first))
+    if args.keep is not None:
+        try:
+            count = keep(args.out, args.tasks, args.seeds, args.codes, args.first, args.kept, args.keep, args.flags)
+        except RunnerError as e:
+            print(f"learning.py: {e}", file=sys.stderr)
+            return 2
+        print(f"learning.py: kept {count} finished run(s) in {args.kept} as round {args.keep}")
+        args.kept_runs = load_kept(args.kept)
+    print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.kept_runs, args.first))
     return 0
 
 

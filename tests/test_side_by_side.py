@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import random
+import shlex
 import subprocess
 import sys
 
@@ -278,25 +279,80 @@ def test_levenes_test_of_equal_spread_against_a_plain_computation():
     assert learning.equal_spread([1.0], official) is None
 
 
-def test_published_official_seeds_stand_in_for_official_runs(tmp_path):
-    """--official-stats: a task whose official runs are not under --out takes their published
-    per-seed figures (benchmarks/official_rounds.json) for the verdict and the statistics."""
-    published = learning.load_published(ROOT / "benchmarks" / "official_rounds.json")
-    assert published["dmc_walker_walk"] == {"last": [78.0, 91.0, 119.0], "first": [73.3, 59.9, 83.9], "round": 5}
+def write_run(logdir, level, command="", commit=None, status="finished"):
+    """A run of 20 episodes of 1K frames: 40 to 15K frames, then `level`; finished unless told."""
+    logdir.mkdir(parents=True)
+    rows = [{"step": step, "train/return": level if step > 15000 else 40.0 + step / 1000}
+            for step in range(1000, 20001, 1000)]
+    (logdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (learning.runner_dir(logdir) / "runner.json").write_text(
+        json.dumps({"status": status, "exit": 0, "command": command, "commit": commit}))
+
+
+def test_kept_official_summaries_stand_in_for_official_runs(tmp_path):
+    """--kept: a task whose official runs are not under --out takes the official seeds kept as published
+    (benchmarks/learning_rounds.json: last quarter and best first-quarter episode) for the verdict and the
+    statistics, and the report names them."""
+    kept = learning.load_kept(ROOT / "benchmarks" / "learning_rounds.json")
+    walker = {seed: kept["runs"][("dmc_walker_walk", "official", seed)] for seed in (0, 1, 2)}
+    assert [walker[s]["last"] for s in (0, 1, 2)] == [78, 91, 119]
+    assert [walker[s]["first_best"] for s in (0, 1, 2)] == [73.3, 59.9, 83.9]
     for seed, level in enumerate((100.0, 90.0, 110.0)):
-        logdir = learning.run_dir(tmp_path, "dmc_walker_walk", "project", seed)
-        logdir.mkdir(parents=True)
-        rows = [{"step": step, "train/return": level if step > 15000 else 40.0} for step in range(1000, 20001, 1000)]
-        (logdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        (logdir / "runner.json").write_text(json.dumps({"status": "finished", "exit": 0}))
-    text = learning.report(tmp_path, ["dmc_walker_walk"], [0, 1, 2], ["project"], 20000, 5000, published)
-    assert "| official (round 5, published) | 3 |" in text and "78, 91, 119 |" in text
+        write_run(learning.run_dir(tmp_path, "dmc_walker_walk", "project", seed), level)
+    text = learning.report(tmp_path, ["dmc_walker_walk"], [0, 1, 2], ["project"], 20000, 5000, kept)
+    assert "| official | 3 (3 without a curve) |" in text and "78, 91, 119 |" in text
+    assert "| project | 3 |" in text and "100, 90, 110 |" in text  # the runs under --out, not the kept seed 0
     assert "Verdict: **matches**" in text  # mean 100 within 78-119, and the official seeds learned
     assert "official 96.0 (sd 21.0, 3 seeds)" in text and "Levene W" in text
+    assert "Kept from earlier rounds: official seeds 0 (round 5, e3f0224), 1 (round 5, e3f0224)" in text
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(learning.RunnerError, match="--official-stats .*bad.json"):
-        learning.load_published(bad)
+    with pytest.raises(learning.RunnerError, match="--kept .*bad.json"):
+        learning.load_kept(bad)
+
+
+def test_keep_writes_finished_runs_that_report_as_the_runs_did(tmp_path, capsys):
+    """--keep ROUND writes each finished run's episodes with its commit; a later report with no runs under
+    --out reads the same table from the kept file, curve included. Unfinished runs are not kept; flags
+    other than the file's, or a run without a recorded commit, are one line and exit 2."""
+    flags = ["--configs", "dmc_proprio", "recipe2024", "size1m", "--steps", "2e4"]
+    command = shlex.join(["python3", "dreamer.py", *flags, "--seeds", "2", "--task", "dmc_walker_walk"])
+    first = tmp_path / "first"
+    for seed, level in ((3, 100.0), (4, 70.0)):
+        logdir = learning.run_dir(first, "dmc_walker_walk", "project", seed, batched=3)
+        if seed == 3:
+            logdir.parent.mkdir(parents=True)
+        write_run(logdir, level, command, "abc1234")
+    write_run(learning.run_dir(first, "dmc_walker_walk", "official", 3), 90.0, "official.py " + shlex.join(flags),
+              "e3f0224", status="timed out")
+    kept_file = tmp_path / "kept.json"
+    base = ["--tasks", "dmc_walker_walk", "--seeds", "3,4", "--kept", str(kept_file), "--bin", "5000"]
+    argv = [*base, "--codes", "project,official", "--batched", "--report", "--keep", "7", "--out", str(first)]
+    assert learning.main([*argv, "--", *flags]) == 0
+    assert "kept 2 finished run(s)" in capsys.readouterr().out
+    runs = learning.load_kept(kept_file)["runs"]
+    assert set(runs) == {("dmc_walker_walk", "project", 3), ("dmc_walker_walk", "project", 4)}
+    assert runs[("dmc_walker_walk", "project", 4)]["commit"] == "abc1234"
+    assert runs[("dmc_walker_walk", "project", 4)]["round"] == 7
+    assert runs[("dmc_walker_walk", "project", 4)]["episodes"][-1] == [20000, 70.0]
+    def project_row(text):
+        return next(line for line in text.splitlines() if line.startswith("| project |"))
+
+    row = project_row((first / "learning.md").read_text())
+    assert row == "| project | 2 | 43 (43-43) | 48 (48-48) | 53 (53-53) | 85 (70-100) | 100, 70 |"
+    later = tmp_path / "later"
+    later.mkdir()
+    assert learning.main([*base, "--codes", "project", "--report", "--out", str(later), "--", *flags]) == 0
+    text = (later / "learning.md").read_text()
+    assert project_row(text) == row and (later / "learning.png").is_file()
+    assert "project seeds 3 (round 7, abc1234), 4 (round 7, abc1234)" in text
+    capsys.readouterr()
+    assert learning.main([*argv, "--", *flags, "--train_ratio", "512"]) == 2
+    assert "--keep: the flags after -- are not those of" in capsys.readouterr().err
+    (first / "dmc_walker_walk" / learning.BATCHED / "runner.json").write_text(
+        json.dumps({"status": "finished", "exit": 0, "command": command, "commit": None}))
+    assert learning.main([*argv, "--", *flags]) == 2
+    assert "records no commit" in capsys.readouterr().err
 
 
 def test_the_chance_that_equal_codes_fall_outside_the_range_against_exact_values_and_a_plain_simulation():
@@ -350,6 +406,5 @@ def test_batched_runs_the_project_seeds_of_a_task_as_one_process_and_reports_the
     assert not learning.finished(process / "seed0")
     (process / "runner.json").write_text(json.dumps({"status": "finished", "exit": 0}))
     assert learning.finished(process / "seed0")
-    published = learning.load_published(ROOT / "benchmarks" / "official_rounds.json")
-    text = learning.report(tmp_path, ["dmc_walker_walk"], [3, 4, 5], ["project"], 20000, 5000, published, 3)
-    assert "| project | 3 |" in text and "Verdict: **matches**" in text
+    text = learning.report(tmp_path, ["dmc_walker_walk"], [3, 4, 5], ["project"], 20000, 5000, None, 3)
+    assert "| project | 3 |" in text and "| 100, 90, 110 |" in text and "project 100.0 (sd 10.0, 3 seeds)" in text
