@@ -271,14 +271,13 @@ KEPT_SOURCE = ("Finished runs of benchmarks/learning.py kept across sessions (a 
                "('last') and the best first-quarter episode ('first_best') as benchmarks/README.md published them.")
 
 
-def load_kept(path):
-    """{"flags": str, "runs": {(task, code, seed): record}} of a `--kept` file (None: no runs). A record has
-    "round", "commit", "date" and either "episodes" ([[frames, return], ...]) or "last" and "first_best"."""
-    if path is None:
+def load_kept(path, missing_ok=False):
+    """{"flags": str, "runs": {(task, code, seed): record}} of a `--kept` file (None, or a missing file with
+    `missing_ok`: no runs). A record has "round", "commit", "date" (the run's end) and either "episodes"
+    ([[frames, return], ...]) or "last" and "first_best"."""
+    if path is None or (missing_ok and not pathlib.Path(path).exists()):
         return {"flags": None, "runs": {}}
     path = pathlib.Path(path)
-    if not path.is_file():
-        return {"flags": None, "runs": {}}
     try:
         data = json.loads(path.read_text())
         runs = {}
@@ -303,7 +302,7 @@ def keep(out, tasks, seeds, codes, batched, kept_path, round_, flags):
     """Write each finished run under OUT into the `--kept` file (replacing a kept run of the same task, code
     and seed), with its episodes, `round_`, the commit runner.json recorded and today's date; returns how
     many. The file holds runs of one setting: its flags must be `flags`, which every kept run's command holds."""
-    kept = load_kept(kept_path)
+    kept = load_kept(kept_path, missing_ok=True)
     flags = shlex.join(flags)
     if kept["flags"] is not None and kept["flags"] != flags:
         raise RunnerError(f"--keep: the flags after -- are not those of {kept_path} ({kept['flags']})")
@@ -315,14 +314,15 @@ def keep(out, tasks, seeds, codes, batched, kept_path, round_, flags):
                 data = returns(logdir)
                 if data is None or not finished(logdir):
                     continue
-                record = json.loads((runner_dir(logdir) / "runner.json").read_text())
+                path = runner_dir(logdir) / "runner.json"
+                record = json.loads(path.read_text())
                 if flags not in record.get("command", "") or not record.get("commit"):
                     raise RunnerError(f"--keep: {logdir} ran with other flags or records no commit "
                                       f"(runner.json: {record.get('command')!r}, commit {record.get('commit')!r})")
                 steps, values = data
                 rows[(task, code, seed)] = {
                     "task": task, "code": code, "seed": seed, "round": round_, "commit": record["commit"],
-                    "date": time.strftime("%Y-%m-%d"),
+                    "date": time.strftime("%Y-%m-%d", time.localtime(path.stat().st_mtime)),
                     "episodes": [[int(f), round(float(v), 2)] for f, v in zip(steps, values)]}
                 count += 1
     text = json.dumps({"source": KEPT_SOURCE, "flags": flags, "runs": []}, indent=1)
@@ -462,7 +462,7 @@ def parse_args(argv):
     args.total = steps_of(flags)
     if args.keep is not None and args.kept is None:
         raise RunnerError(f"--keep {args.keep}: name the file to keep the runs in with --kept")
-    args.kept_runs = load_kept(args.kept)
+    args.kept_runs = load_kept(args.kept, missing_ok=args.keep is not None)  # --keep starts a new file
     return args
 
 

@@ -309,6 +309,8 @@ def test_kept_official_summaries_stand_in_for_official_runs(tmp_path):
     bad.write_text("{}")
     with pytest.raises(learning.RunnerError, match="--kept .*bad.json"):
         learning.load_kept(bad)
+    with pytest.raises(learning.RunnerError, match="--kept .*typo.json"):  # a mistyped file is no empty file
+        learning.load_kept(tmp_path / "typo.json")
 
 
 def test_keep_writes_finished_runs_that_report_as_the_runs_did(tmp_path, capsys):
