@@ -232,8 +232,9 @@ def chance_outside(n_project, n_official, draws=200_000):
 
 def equal_spread(project_last, official_last):
     """Levene's test (Brown-Forsythe: deviations from the median) that the two codes' seeds spread
-    alike: (W, p), or None with fewer than two seeds on a side. scipy comes with dm_control."""
-    if len(project_last) < 2 or len(official_last) < 2:
+    alike: (W, p), or None with fewer than three seeds on a side (two seeds lie equally far from their
+    median, so the test's within-code spread is zero and W meaningless). scipy comes with dm_control."""
+    if len(project_last) < 3 or len(official_last) < 3:
         return None
     from scipy import stats
 

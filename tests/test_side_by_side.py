@@ -277,6 +277,7 @@ def test_levenes_test_of_equal_spread_against_a_plain_computation():
     assert got == pytest.approx((w, 1 - 1.5 * s + 0.5 * s ** 3), rel=1e-9)
     assert w == pytest.approx(0.75)
     assert learning.equal_spread([1.0], official) is None
+    assert learning.equal_spread([1.0, 5.0], official) is None  # two seeds: no spread about their median
 
 
 def write_run(logdir, level, command="", commit=None, status="finished"):
