@@ -118,8 +118,11 @@ def test_a_seed_batch_changes_no_other_seed(recipe):
         for key in clean[k]:
             assert torch.equal(clean[k][key], perturbed[k][key]), (k, key)
         assert all(torch.equal(clean_metrics[k][0][m], perturbed_metrics[k][0][m]) for m in clean_metrics[k][0])
+    # The perturbed seed did see its batch. Not through rew_loss alone: recipe2024's reward head starts at
+    # zero weights, so its loss is log(255) whatever the reward until the weights move past float32's resolution,
+    # which the warm-up's first tiny steps may not (whether they do depends on the CPU's rounding).
     assert any(not torch.equal(clean[1][key], perturbed[1][key]) for key in clean[1])
-    assert not torch.equal(clean_metrics[1][0]["rew_loss"], perturbed_metrics[1][0]["rew_loss"])
+    assert any(not torch.equal(clean_metrics[1][0][m], perturbed_metrics[1][0][m]) for m in clean_metrics[1][0])
 
 
 def test_an_absent_seed_keeps_its_weights_moments_and_state():
