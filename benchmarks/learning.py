@@ -397,6 +397,7 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
         kept_lines = [f"{code} seeds {', '.join(values['kept'])}" for code, values in stats.items() if values["kept"]]
         lines += ([f"Kept from earlier rounds: {'; '.join(kept_lines)}."] if kept_lines else []) + [""]
     text = "\n".join(lines) + "\n"
+    pathlib.Path(out).mkdir(parents=True, exist_ok=True)  # a report of kept runs alone may have no runs folder yet
     pathlib.Path(out, "learning.md").write_text(text)
     if runs or extra:
         groups = plot.collect(runs, "train/return", "dmc_proprio", reference) if runs else {}
