@@ -115,6 +115,8 @@ def finished(logdir):
 def commit_of(code, args):
     """The commit a run of `code` runs (of this repository, or of the --official checkout), or None."""
     where = ROOT if code == "project" else args.official
+    if where is None:  # --codes project, or a dry run without --official
+        return None
     try:
         found = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
                                text=True, check=False)

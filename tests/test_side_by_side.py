@@ -338,6 +338,7 @@ def test_keep_writes_finished_runs_that_report_as_the_runs_did(tmp_path, capsys)
     assert runs[("dmc_walker_walk", "project", 4)]["commit"] == "abc1234"
     assert runs[("dmc_walker_walk", "project", 4)]["round"] == 7
     assert runs[("dmc_walker_walk", "project", 4)]["episodes"][-1] == [20000, 70.0]
+
     def project_row(text):
         return next(line for line in text.splitlines() if line.startswith("| project |"))
 
