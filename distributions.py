@@ -57,7 +57,7 @@ def uniform(shape, device):
     """U[0, 1) float32 noise of `shape`: torch.rand, from this thread's generator or tape."""
     source = getattr(_local, "tape", None)
     if source is not None:
-        return source.take("uniform", tuple(shape))
+        return source.take("uniform", tuple(shape), device)
     return torch.rand(shape, device=device, generator=getattr(_local, "generator", None))
 
 
@@ -65,7 +65,7 @@ def normal(shape, device):
     """N(0, 1) float32 noise of `shape`, drawn as torch.distributions.Normal.rsample draws it."""
     source = getattr(_local, "tape", None)
     if source is not None:
-        return source.take("normal", tuple(shape))
+        return source.take("normal", tuple(shape), device)
     return torch.empty(shape, device=device).normal_(generator=getattr(_local, "generator", None))
 
 
@@ -82,10 +82,10 @@ class Tape:
     def __init__(self, values=None):
         self.values, self.draws, self.offsets = values, [], {kind: 0 for kind in DRAWS}
 
-    def take(self, kind, shape):
+    def take(self, kind, shape, device):
         if self.values is None:
             self.draws.append((kind, shape))
-            return torch.zeros(shape)
+            return torch.zeros(shape, device=device)  # on the sample's device: the recording pass runs there
         count = 1
         for size in shape:
             count *= size

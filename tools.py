@@ -37,10 +37,20 @@ def tensors(tree):
             yield from tensors(value)
 
 
+def finite_flags(tree):
+    """{device: a 0-dim bool tensor on it}: whether every floating-point tensor of `tree` on that
+    device is finite. Per device, since a tree can hold both (a CUDA run's checkpoint holds the
+    weights on the GPU and the counters and random states on the host), and with no sync."""
+    flags = {}
+    for t in tensors(tree):
+        if t.is_floating_point():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return {device: torch.stack(found).all() for device, found in flags.items()}
+
+
 def all_finite(tree):
-    """Whether every floating-point tensor in `tree` is finite (one device sync in all)."""
-    flags = [torch.isfinite(t).all() for t in tensors(tree) if t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
+    """Whether every floating-point tensor in `tree` is finite (one device sync per device)."""
+    return all(bool(flag) for flag in finite_flags(tree).values())
 
 
 # ==================================================================================================

@@ -84,8 +84,9 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
                          env=dict(os.environ, GPU_CHECK_PRINT_ONLY="1"))
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.strip().splitlines()]
-    # tests, a training run, size1m x 3 compile modes x 3 precisions, vision x 2 compile modes, 8 seeds batched
-    assert len(commands) == 14
+    # tests, a training run, size1m x 3 compile modes x 3 precisions, vision x 2 compile modes, 8 seeds batched,
+    # the official code's update at the first row's setting
+    assert len(commands) == 15
     assert sum("--seeds" in words for words in commands) == 1
     speeds = [(words[words.index("--configs") + 1], words[words.index("--compile") + 1]) for words in commands
               if "benchmarks/train_speed.py" in words]
@@ -101,6 +102,17 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
             continue
         assert words[0] == "python3" and (ROOT / words[1]).exists()
         args = words[2:]
+        if words[1] == "benchmarks/official_speed.py":
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("official_speed", ROOT / "benchmarks" / "official_speed.py")
+            official_speed = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(official_speed)
+            own, rest = official_speed.parse_args(args)
+            assert own.updates >= 10 and own.warmup >= 1
+            config, suite, size = official_speed.official.settle(rest)  # refuses what has no official flag
+            assert (suite, size, config.device, config.precision) == ("dmc_proprio", "size1m", "cuda", "bf16")
+            kinds.add("official")
+            continue
         if words[1] == "benchmarks/train_speed.py":
             for flag in ("--updates", "--warmup", "--seeds"):  # train_speed's own flags; the rest are config keys
                 if flag == "--seeds" and flag not in args:
@@ -115,7 +127,7 @@ def test_gpu_check_script_parses_and_uses_only_existing_flags():
         config = cfg.parse(args)
         assert config.device == "cuda" and config.compile in (True, False, "update")
         assert config.precision in (16, 32, "bf16")
-    assert kinds == {"tests", "train", "speed"}
+    assert kinds == {"tests", "train", "speed", "official"}
 
 
 def test_gpu_learning_check_trains_at_the_reference_setting_and_plots_against_it():

@@ -133,6 +133,20 @@ def test_non_finite_weights_are_never_saved(run_copy):
     trainer.train_envs[0].close()
 
 
+def test_the_finite_check_reduces_per_device_as_a_cuda_checkpoint_needs():
+    """A CUDA run's checkpoint holds weights on the GPU and counters and random states on the host; the
+    finite check stacked them into one tensor, which CUDA refuses (the first GPU run could not save). The
+    meta device stands in for the GPU here."""
+    bad = torch.tensor([1.0, float("nan")])
+    tree = {"weights": [torch.zeros(3, device="meta"), torch.ones(2, device="meta")],
+            "host": {"ok": torch.ones(2), "bad": bad, "count": torch.tensor(3)}}
+    flags = tools.finite_flags(tree)
+    assert set(flags) == {torch.device("meta"), torch.device("cpu")}
+    assert flags[torch.device("meta")].device.type == "meta" and not bool(flags[torch.device("cpu")])
+    assert tools.all_finite({"a": torch.ones(2), "b": [torch.zeros(1)]}) and not tools.all_finite([bad])
+    assert tools.all_finite({"count": torch.tensor(3)})  # no floating-point tensor: nothing to check
+
+
 # -- 2. episode files are validated against the run's spaces ------------------------------------------
 
 

@@ -149,6 +149,18 @@ def test_an_absent_seed_keeps_its_weights_moments_and_state():
 # -- the pieces ---------------------------------------------------------------------------------------
 
 
+def test_a_recording_tape_stands_in_zeros_on_the_samples_device():
+    """The batched update records its noise draws with one pass on the training device; the zeros that
+    stand in for the noise must be on that device (on the first GPU run they were on the host, and the
+    8-seed update stopped: 'found at least two devices'). The meta device stands in for the GPU here."""
+    recorder = distributions.Tape()
+    with distributions.tape(recorder):
+        onehot = distributions.OneHot(torch.randn(4, 3, 5, device="meta")).sample()
+        normal = distributions.normal((6, 2), torch.device("meta"))  # Normal.sample's noise
+    assert onehot.device.type == normal.device.type == "meta"
+    assert recorder.draws == [("uniform", (4, 3, 1)), ("normal", (6, 2))]
+
+
 def test_a_tape_hands_out_the_noise_its_generator_would_have_drawn():
     logits = torch.randn(4, 3, 5)
     mean, std = torch.randn(6, 2), torch.rand(6, 2) + 0.1

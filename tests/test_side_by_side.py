@@ -21,6 +21,7 @@ sys.path.append(str(ROOT / "benchmarks"))  # last: worker processes inherit the 
 
 import learning  # noqa: E402
 import official  # noqa: E402
+import official_speed  # noqa: E402
 
 SETTINGS = ["--configs", "dmc_proprio", "recipe2024", "size1m", "--steps", "2e3", "--train_ratio", "256",
             "--batch_size", "16", "--batch_length", "32", "--envs", "1", "--eval_episode_num", "0", "--device", "cpu"]
@@ -155,6 +156,57 @@ def test_the_run_keeps_the_single_thread_flags_and_writes_the_project_form(check
     assert plot.task_of(logdir, plot.read_config(logdir)) == "dmc_cheetah_run"
     steps, values = plot.series(plot.read_metrics(logdir), "train/return")
     assert list(steps) == [1000, 2000]
+
+
+# ----------------------------------------------------------------------------------------------
+# official_speed.py (its official side needs JAX and the checkout: a stand-in interpreter records what it is
+# given; the real side ran on this CPU with JAX 0.4.33 and 0.11.2, benchmarks/README)
+# ----------------------------------------------------------------------------------------------
+
+STAND_IN_PYTHON = """#!{python}
+import json, os, pathlib, sys
+pathlib.Path(__file__).with_name("given.json").write_text(json.dumps(
+    {{"argv": sys.argv[1:], "cwd": os.getcwd(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}}))
+print("updates_per_s=2.5000")
+"""
+
+
+def run_official_speed(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "official_speed.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_official_speed_gives_the_official_interpreter_the_translated_flags(checkout, tmp_path):
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    result = run_official_speed("--official", str(checkout), "--python", str(python), "--updates", "4",
+                                "--warmup", "2", *SETTINGS, "--task", "dmc_walker_walk", "--precision", "bf16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "updates_per_s=2.5000"
+    given = json.loads((tmp_path / "given.json").read_text())
+    argv = given["argv"]
+    assert argv[0] == "-c" and "agent.train(" in argv[1]  # the official side, timing the official update
+    assert argv[2] == given["cwd"] == str(checkout.resolve()) and argv[3:5] == ["2", "4"]  # warm-up, timed
+    flags = argv[5:]
+    assert flag(flags, "--configs") == "dmc_proprio" and flags[flags.index("--configs") + 2] == "size1m"
+    assert flag(flags, "--task") == "dmc_walker_walk" and flag(flags, "--jax.compute_dtype") == "bfloat16"
+    assert (flag(flags, "--batch_size"), flag(flags, "--batch_length")) == ("16", "32")
+    assert flag(flags, "--jax.platform") == "cpu" and "--xla_cpu_multi_thread_eigen=false" in given["XLA_FLAGS"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--official", "CHECKOUT", "--updates", "0"], "--updates 0: give a whole number >= 1"),
+    (["--official", "/nonexistent"], "no dreamerv3/main.py there"),
+    ([], "Missing --official DIR"),
+    (["--official", "CHECKOUT", "--task", "atari_pong"], "one DMC task"),
+    (["--official", "CHECKOUT", "--units", "128"], "no official flag carries this"),
+])
+def test_official_speed_mistakes_are_one_line_and_exit_2(checkout, args, words, capsys):
+    args = [str(checkout) if word == "CHECKOUT" else word for word in args]
+    assert official_speed.main([*SETTINGS, "--task", "dmc_walker_walk", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
 
 
 # ----------------------------------------------------------------------------------------------
