@@ -24,7 +24,9 @@ Welch's t of the two, and how often the rule would say below or above for two eq
 counts, which the rule below does not use but a reader of three seeds needs, and Levene's test, median-centred,
 that the two codes' seeds spread alike), and
 `OUT/learning.png` (plot.py's figure: mean and min-max band per code). The verdict per task, by this
-rule: take each seed's mean training return over the last quarter of the frames; the task MATCHES when
+rule: take each seed's mean training return over the last quarter of the frames, the quarter that ends at the
+last episode every run reaches (the official step counter counts each episode's reset step, so its runs end
+one episode earlier in frames: official.frames_of); the task MATCHES when
 this project's mean over seeds lies within the range (min to max) of the official seeds; it is BELOW or
 ABOVE otherwise; and it is NO LEARNING TO COMPARE unless, for most official seeds, the last-quarter mean
 lies above the best single episode of the first quarter (what luck reaches before learning; a mean above
@@ -37,7 +39,7 @@ training episodes, the round, the commit that runner.json recorded, the date), a
 either code with no run under OUT take its kept run, so a task's seeds can be run over several sessions and
 reported together (the report names the kept seeds). The file holds one setting: `--keep` refuses flags after `--`
 other than the file's. Runs of rounds 3-5, whose logs were not kept, are there as their published last-quarter
-mean and best first-quarter episode only (no curve). `--dry-run` prints every command and starts nothing;
+mean (with the frames it covered) and best first-quarter episode only (no curve). `--dry-run` prints every command and starts nothing;
 `--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels in `--official-python`). Bad
 input: one line, exit 2.
 """
@@ -185,11 +187,23 @@ def returns(logdir):
         return None
 
 
-def quarter_means(steps, values, total):
-    """Mean return of the first and of the last quarter of `total` frames (None where empty)."""
+def quarter_means(steps, values, total, end=None):
+    """Mean return of the first quarter of `total` frames and of the last quarter before frame `end` (the
+    window (end - total / 4, end]; `end` defaults to `total`), None where empty."""
+    end = total if end is None else end
     first = values[steps <= total / 4]
-    last = values[steps > total * 3 / 4]
+    last = values[(steps > end - total / 4) & (steps <= end)]
     return (float(first.mean()) if len(first) else None, float(last.mean()) if len(last) else None)
+
+
+def window_end(runs, total):
+    """The last frame of a task's last-quarter window: the last episode's end that every finished run
+    reaches (the official code's step budget counts its reset steps, so its last episode ends a whole
+    episode before this project's: comparing the codes' own last quarters would compare different frames).
+    `runs`: (steps or None, the frame a kept summary's window ends at or None) per finished run."""
+    ends = [float(steps[-1]) if steps is not None else window for steps, window in runs
+            if steps is not None and len(steps) or window is not None]
+    return min(ends) if ends else total
 
 
 def first_quarter_best(steps, values, total):
@@ -271,7 +285,8 @@ def spread(stats):
 KEPT_SOURCE = ("Finished runs of benchmarks/learning.py kept across sessions (a session's logdirs do not outlive it), "
                "written by `learning.py --keep ROUND`: per task, code and seed the training episodes "
                "[frames, return] of metrics.jsonl, or, for runs whose logs were not kept, only the last-quarter mean "
-               "('last') and the best first-quarter episode ('first_best') as benchmarks/README.md published them.")
+               "('last') over the frames ('window': (start, end]) of the episodes it averaged and the best "
+               "first-quarter episode ('first_best') as benchmarks/README.md published them.")
 
 
 def load_kept(path, missing_ok=False):
@@ -285,7 +300,7 @@ def load_kept(path, missing_ok=False):
         data = json.loads(path.read_text())
         runs = {}
         for row in data["runs"]:
-            if row["code"] not in CODES or not ("episodes" in row or {"last", "first_best"} <= set(row)):
+            if row["code"] not in CODES or not ("episodes" in row or {"last", "first_best", "window"} <= set(row)):
                 raise ValueError(f"a run of {row['task']} without episodes or summary, or of code {row['code']}")
             runs[(row["task"], row["code"], int(row["seed"]))] = row
         return {"flags": data["flags"], "runs": runs}
@@ -294,11 +309,12 @@ def load_kept(path, missing_ok=False):
 
 
 def kept_stats(row, total):
-    """(steps, values) or None, and (first-quarter best, last-quarter mean) of a kept run."""
+    """(steps, values) or None, and (first-quarter best, the last-quarter mean of a summary or None, the frame
+    that summary's window ends at or None) of a kept run."""
     if "episodes" not in row:
-        return None, (float(row["first_best"]), float(row["last"]))
+        return None, (float(row["first_best"]), float(row["last"]), float(row["window"][1]))
     steps, values = (np.array(column, float) for column in zip(*row["episodes"]))
-    return (steps, values), (first_quarter_best(steps, values, total), quarter_means(steps, values, total)[1])
+    return (steps, values), (first_quarter_best(steps, values, total), None, None)
 
 
 def keep(out, tasks, seeds, codes, batched, kept_path, round_, flags):
@@ -347,20 +363,19 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
     extra = {}  # task -> {code: [(steps, values)]}: kept curves for the figure
     for task in tasks:
         stats = {code: {"first": [], "last": [], "seeds": [], "kept": []} for code in CODES}
-        curves = {}
+        curves, found, apart = {}, [], []
         for code in CODES:
             for seed in seeds:
                 logdir = run_dir(out, task, code, seed, batched)
                 data = returns(logdir) if code in codes else None
+                summary = window = None
                 if data is not None:
-                    steps, values = data
                     runs.append(f"{code}={logdir}")
-                    first, last = first_quarter_best(steps, values, total), quarter_means(steps, values, total)[1]
-                    if not finished(logdir):
-                        last = None  # a run still going (or stopped) says nothing about its last quarter
+                    first, done = first_quarter_best(*data, total), finished(logdir)
                 elif (task, code, seed) in kept:
                     row = kept[(task, code, seed)]
-                    data, (first, last) = kept_stats(row, total)
+                    data, (first, summary, window) = kept_stats(row, total)
+                    done = True
                     stats[code]["kept"].append(f"{seed} (round {row['round']}, {row['commit']})")
                     if data is not None:
                         extra.setdefault(task, {}).setdefault(code, []).append(data)
@@ -370,8 +385,17 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
                     curves.setdefault(code, []).append(data)
                 stats[code]["seeds"].append(seed)
                 stats[code]["first"].append(first)
-                if last is not None:
-                    stats[code]["last"].append(last)
+                # A run still going (or stopped) says nothing about its last quarter.
+                found.append((code, seed, data if done else None, summary, window))
+        end = window_end([(None if data is None else data[0], window) for _, _, data, summary, window in found
+                          if data is not None or summary is not None], total)
+        for code, seed, data, summary, window in found:
+            if data is not None:
+                stats[code]["last"].append(quarter_means(*data, total, end)[1])
+            elif summary is not None:
+                stats[code]["last"].append(summary)
+                if window != end:
+                    apart.append(f"{code} seed {seed} (kept as a mean over frames ending at {window:,.0f})")
         stats = {code: values for code, values in stats.items() if values["seeds"]}
         frames = np.arange(bin_frames, total + bin_frames / 2, bin_frames)
         lines += [f"### {task}", "", "| code | seeds | " + " | ".join(plot.format_frames(f) for f in frames)
@@ -395,7 +419,9 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
             lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
         decision = verdict(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []),
                            stats.get("official", {}).get("first", []))
-        lines += ["", f"Verdict: **{decision}**", "", spread(stats)]
+        lines += ["", f"Verdict: **{decision}**", "",
+                  f"Last quarter: frames ({end - total / 4:,.0f}, {end:,.0f}], the last episode every run reaches"
+                  + (f"; not recomputable: {', '.join(apart)}" if apart else "") + ".", "", spread(stats)]
         kept_lines = [f"{code} seeds {', '.join(values['kept'])}" for code, values in stats.items() if values["kept"]]
         lines += ([f"Kept from earlier rounds: {'; '.join(kept_lines)}."] if kept_lines else []) + [""]
     text = "\n".join(lines) + "\n"

@@ -30,7 +30,8 @@ launcher that puts the caller's flags back after that call, and changes no file 
 `--dry-run` (print the command and environment, start nothing) and `--convert` (only rewrite the outputs).
 
 Outputs, in LOGDIR: `official/` (the official logdir: its checkpoint, `scores.jsonl`, `metrics.jsonl`),
-`metrics.jsonl` in this project's form (one row per training episode: `step` in frames, `train/return`,
+`metrics.jsonl` in this project's form (one row per training episode: `step` in frames, without the official
+counter's reset steps (`frames_of`), `train/return`,
 `train/length`, `train/episodes`), rewritten from `official/scores.jsonl` after the run and by `--convert`,
 and `config.yaml` (task, seed, the translated settings, `code: official`), so that `benchmarks/plot.py`
 and `benchmarks/scores.py` read it as a run of the task. Rerunning the same command resumes from the
@@ -57,6 +58,7 @@ SUITES = {"dmc_proprio": "dmc_proprio", "dmc_vision": "dmc_vision"}  # project p
 PRECISIONS = {"32": "float32", "bf16": "bfloat16", "16": "float16"}
 PLATFORMS = {"cpu": "cpu", "cuda": "cuda"}
 IGNORED_PRESETS = ("recipe2024",)  # the official code is this recipe
+DMC_EPISODE = 1000  # frames: every DMC task's time limit
 
 # Runs the official main.py with the caller's XLA_FLAGS kept: embodied.jax.internal.setup replaces the
 # variable before the backend starts, which would undo the single-thread flags.
@@ -201,8 +203,16 @@ def environment(threads, logdir, device):
     return env
 
 
+def frames_of(step, repeat):
+    """The frames an official step count holds. Its counter counts each episode's first (reset) step as a
+    policy step of `repeat` frames, which acts on no frame: a DMC episode of 1,000 frames ends 1,000 + repeat
+    counted frames later (walker at repeat 2: 1002, 2004, ...). This project counts frames."""
+    return int(round(step * DMC_EPISODE / (DMC_EPISODE + repeat)))
+
+
 def convert(logdir, config, settings):
-    """LOGDIR/metrics.jsonl (this project's form) and config.yaml from official/scores.jsonl."""
+    """LOGDIR/metrics.jsonl (this project's form, `step` in frames: frames_of) and config.yaml from
+    official/scores.jsonl."""
     scores = logdir / "official" / "scores.jsonl"
     rows = []
     if scores.is_file():
@@ -225,7 +235,8 @@ def convert(logdir, config, settings):
                 lengths[record["step"]] = record["episode/length"]
     out = []
     for count, record in enumerate(sorted(rows, key=lambda r: r["step"]), 1):
-        row = {"step": record["step"], "train/return": float(record["episode/score"]), "train/episodes": count}
+        row = {"step": frames_of(record["step"], config.action_repeat), "train/return": float(record["episode/score"]),
+               "train/episodes": count}
         if record["step"] in lengths:
             row["train/length"] = lengths[record["step"]]
         out.append(json.dumps(row))

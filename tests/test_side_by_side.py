@@ -32,7 +32,8 @@ def setup(**kwargs):
     os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=1"  # as the real setup: the caller's flags are gone
 '''
 
-# Episodes of 500 policy steps (1000 frames at action repeat 2); returns rise by 10 per episode.
+# Episodes of 500 policy steps (1000 frames at action repeat 2); returns rise by 10 per episode. As the real
+# one, its step counter counts each episode's reset step too: 501 policy steps, 1002 counted frames, an episode.
 STAND_IN_MAIN = '''
 import json, os, pathlib, sys
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
@@ -50,7 +51,7 @@ logdir.mkdir(parents=True, exist_ok=True)
 repeat, steps = int(args["--env.dmc.repeat"]), int(args["--run.steps"])
 with open(logdir / "scores.jsonl", "a") as f:
     for episode in range(steps // 500):
-        f.write(json.dumps({"step": (episode + 1) * 500 * repeat, "episode/score": 10.0 * episode}) + "\\n")
+        f.write(json.dumps({"step": (episode + 1) * 501 * repeat, "episode/score": 10.0 * episode}) + "\\n")
 '''
 
 
@@ -149,7 +150,7 @@ def test_the_run_keeps_the_single_thread_flags_and_writes_the_project_form(check
     assert "--xla_cpu_multi_thread_eigen=false" in seen["XLA_FLAGS"].split()
     assert "--xla_gpu_autotune_level=1" in seen["XLA_FLAGS"].split()
     rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1000, 2000] and [r["train/return"] for r in rows] == [0.0, 10.0]
+    assert [r["step"] for r in rows] == [1000, 2000] and [r["train/return"] for r in rows] == [0.0, 10.0]  # frames
     assert [r["train/episodes"] for r in rows] == [1, 2]
     import plot
 
@@ -332,6 +333,27 @@ def test_levenes_test_of_equal_spread_against_a_plain_computation():
     assert learning.equal_spread([1.0, 5.0], official) is None  # two seeds: no spread about their median
 
 
+def test_official_steps_become_frames_and_both_codes_are_read_over_the_frames_both_reach(tmp_path):
+    """The official counter counts each episode's reset step (repeat frames): a 1,000-frame episode ends
+    1,000 + repeat counted frames later, so a run of 20K counted frames ends its last episode at 19K frames
+    and its last quarter would end a whole episode before this project's. Both are read over (14K, 19K]."""
+    for repeat in (1, 2, 4):
+        counted = [k * (1000 // repeat + 1) * repeat for k in range(1, 21)]
+        assert [official.frames_of(step, repeat) for step in counted] == [k * 1000 for k in range(1, 21)]
+    assert learning.window_end([(np.array([1000.0, 20000.0]), None), (np.array([19000.0]), None)], 20000) == 19000
+    assert learning.window_end([(np.array([20000.0]), None), (None, 19000.0)], 20000) == 19000
+    assert learning.window_end([], 20000) == 20000
+    write_run(learning.run_dir(tmp_path, "dmc_walker_walk", "project", 0), 100.0)
+    official_dir = learning.run_dir(tmp_path, "dmc_walker_walk", "official", 0)
+    write_run(official_dir, 80.0)
+    rows = [json.loads(line) for line in (official_dir / "metrics.jsonl").read_text().splitlines()][:-1]
+    (official_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))  # ends at 19K
+    text = learning.report(tmp_path, ["dmc_walker_walk"], [0], ["project", "official"], 20000, 5000)
+    assert "Last quarter: frames (14,000, 19,000]" in text
+    assert "| project | 1 |" in text and " 91 |" in text  # (55 + 4 x 100) / 5: episodes 15-19, not 16-20
+    assert " 75 |" in text  # (55 + 4 x 80) / 5
+
+
 def write_run(logdir, level, command="", commit=None, status="finished"):
     """A run of 20 episodes of 1K frames: 40 to 15K frames, then `level`; finished unless told."""
     logdir.mkdir(parents=True)
@@ -354,8 +376,12 @@ def test_kept_official_summaries_stand_in_for_official_runs(tmp_path):
         write_run(learning.run_dir(tmp_path, "dmc_walker_walk", "project", seed), level)
     text = learning.report(tmp_path, ["dmc_walker_walk"], [0, 1, 2], ["project"], 20000, 5000, kept)
     assert "| official | 3 (3 without a curve) |" in text and "78, 91, 119 |" in text
-    assert "| project | 3 |" in text and "100, 90, 110 |" in text  # the runs under --out, not the kept seed 0
-    assert "Verdict: **matches**" in text  # mean 100 within 78-119, and the official seeds learned
+    # The kept official means cover the episodes ending at 15K-19K frames (the official runs' last quarter:
+    # their last episode ends at 19K frames), so the project's runs under --out are read over the same
+    # frames: (55 + 4 x level) / 5, not the kept seed 0.
+    assert "Last quarter: frames (14,000, 19,000], the last episode every run reaches" in text
+    assert "| project | 3 |" in text and "91, 83, 99 |" in text
+    assert "Verdict: **matches**" in text  # mean 91 within 78-119, and the official seeds learned
     assert "official 96.0 (sd 21.0, 3 seeds)" in text and "Levene W" in text
     assert "Kept from earlier rounds: official seeds 0 (round 5, e3f0224), 1 (round 5, e3f0224)" in text
     bad = tmp_path / "bad.json"
