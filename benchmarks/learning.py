@@ -39,9 +39,9 @@ training episodes, the round, the commit that runner.json recorded, the date), a
 either code with no run under OUT take its kept run, so a task's seeds can be run over several sessions and
 reported together (the report names the kept seeds). The file holds one setting: `--keep` refuses flags after `--`
 other than the file's. Runs of rounds 3-5, whose logs were not kept, are there as their published last-quarter
-mean (with the frames it covered) and best first-quarter episode only (no curve). `--dry-run` prints every command and starts nothing;
-`--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels in `--official-python`). Bad
-input: one line, exit 2.
+mean (with the frames it covered) and best first-quarter episode only (no curve). `--dry-run` prints every command
+and starts nothing; `--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels in
+`--official-python`). Bad input: one line, exit 2.
 """
 
 import argparse
