@@ -60,19 +60,25 @@ PLATFORMS = {"cpu": "cpu", "cuda": "cuda"}
 IGNORED_PRESETS = ("recipe2024",)  # the official code is this recipe
 DMC_EPISODE = 1000  # frames: every DMC task's time limit
 
-# Runs the official main.py with the caller's XLA_FLAGS kept: embodied.jax.internal.setup replaces the
-# variable before the backend starts, which would undo the single-thread flags.
-LAUNCHER = """
-import os, runpy, sys
+# The start of every program run by the official interpreter (argv[1]: the checkout): the caller's XLA_FLAGS
+# are put back after embodied.jax.internal.setup, which replaces the variable before the backend starts and
+# would undo the single-thread flags.
+KEEP_XLA_FLAGS = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+_flags = os.environ.get("XLA_FLAGS", "")
+from embodied.jax import internal as _internal
+_setup = _internal.setup
+def _setup_keeping_flags(*a, **k):
+    _setup(*a, **k)
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), _flags) if f)
+_internal.setup = _setup_keeping_flags
+"""
+
+# Runs the official main.py with the caller's XLA_FLAGS kept.
+LAUNCHER = KEEP_XLA_FLAGS + """
+import runpy
 root, args = sys.argv[1], sys.argv[2:]
-flags = os.environ.get("XLA_FLAGS", "")
-sys.path.insert(0, root)
-from embodied.jax import internal
-setup = internal.setup
-def setup_keeping_flags(*a, **k):
-    setup(*a, **k)
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
-internal.setup = setup_keeping_flags
 sys.argv = [os.path.join(root, "dreamerv3", "main.py"), *args]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -31,17 +31,10 @@ sys.path.insert(0, str(ROOT))
 import official  # noqa: E402
 
 # Run by the official interpreter: argv = checkout, warm-up updates, timed updates, official flags...
-OFFICIAL_SIDE = r'''
-import os, sys, time
-root, warmup, updates, flags = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-sys.path.insert(0, root)
-kept = os.environ.get("XLA_FLAGS", "")
+OFFICIAL_SIDE = official.KEEP_XLA_FLAGS + r'''
+import time
+warmup, updates, flags = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 from embodied.jax import internal
-setup = internal.setup
-def setup_keeping_flags(*a, **k):  # the official setup replaces XLA_FLAGS (the one-thread flag)
-    setup(*a, **k)
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), kept) if f)
-internal.setup = setup_keeping_flags
 import elements, jax
 import numpy as np
 # Newer JAX (0.7 on) takes jit's shardings and static arguments by keyword only; the official code, written

@@ -48,19 +48,12 @@ sys.path.insert(0, str(ROOT))
 import official  # noqa: E402
 
 # Run by the official interpreter: argv = checkout, official logdir, seeds, windows seed, output npz.
-OFFICIAL_SIDE = r'''
-import glob, os, pathlib, pickle, sys, tempfile
+OFFICIAL_SIDE = official.KEEP_XLA_FLAGS + r'''
+import glob, pathlib, pickle, tempfile
 import numpy as np
-root, rundir, out = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[5]
+rundir, out = pathlib.Path(sys.argv[2]), sys.argv[5]
 seeds, windows_seed = int(sys.argv[3]), int(sys.argv[4])
-sys.path.insert(0, root)
-flags = os.environ.get("XLA_FLAGS", "")
 from embodied.jax import internal
-setup = internal.setup
-def setup_keeping_flags(*a, **k):  # the official setup replaces XLA_FLAGS (the one-thread flag)
-    setup(*a, **k)
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
-internal.setup = setup_keeping_flags
 import elements, embodied, ninjax as nj, optax
 import ruamel.yaml as yaml
 import embodied.jax.opt as opt
