@@ -390,8 +390,9 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
         end = window_end([(None if data is None else data[0], window) for _, _, data, summary, window in found
                           if data is not None or summary is not None], total)
         for code, seed, data, summary, window in found:
-            if data is not None:
-                stats[code]["last"].append(quarter_means(*data, total, end)[1])
+            last = None if data is None else quarter_means(*data, total, end)[1]
+            if last is not None:  # None: no episode of this run ends in the window
+                stats[code]["last"].append(last)
             elif summary is not None:
                 stats[code]["last"].append(summary)
                 if window != end:
