@@ -19,6 +19,7 @@ with a stand-in batch for it and leaves its weights, moments and state untouched
 
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -357,8 +358,10 @@ def train_together(trainers, generators, batched, environments):
     close its `environments` (a list per seed, emptied as they are closed) there at its end. A
     Ctrl-C or SIGTERM (they reach the main thread) or any seed's error asks every other seed to stop
     as the signal would: each saves at its next update boundary (Trainer.stop_if_asked) and ends.
-    Then the signal, or the first error, is raised here."""
+    Then the signal, or the first error, is raised here, once every seed's thread has closed its
+    environments and ended."""
     errors = [None] * len(trainers)
+    ended = [False] * len(trainers)  # set last in each thread: see the waiting loop below
 
     def stop_all(code):
         for trainer in trainers:
@@ -378,9 +381,12 @@ def train_together(trainers, generators, batched, environments):
             if not isinstance(e, KeyboardInterrupt):
                 stop_all(1)
         finally:
-            batched.leave(k)
-            while environments[k]:
-                environments[k].pop().close()
+            try:
+                batched.leave(k)
+                while environments[k]:
+                    environments[k].pop().close()
+            finally:
+                ended[k] = True
 
     threads = [threading.Thread(target=run, args=(k,), name=f"seed{k}", daemon=True) for k in range(len(trainers))]
     signalled = None
@@ -388,10 +394,12 @@ def train_together(trainers, generators, batched, environments):
     try:
         for thread in threads:
             thread.start()
-        while any(thread.is_alive() for thread in threads):
+        # Waits on the threads' own flags, not Thread.join: on Python 3.11 a signal that
+        # interrupts join marks a thread that is still running as stopped (CPython's bpo-45274
+        # fix), and the run would end while a seed still saves, renders or closes its environments.
+        while not all(ended):
             try:
-                for thread in threads:
-                    thread.join(timeout=0.1)
+                time.sleep(0.05)
             except KeyboardInterrupt as e:  # a signal: every seed saves and stops; a second one waits too
                 signalled = signalled or e
                 stop_all(stop_code(trainers[0].agreement.stops, e))

@@ -239,6 +239,54 @@ def test_what_seeds_cannot_do_is_one_line_and_exit_2(tmp_path, capsys, flags, sa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_signal_ends_the_seeds_only_after_each_seeds_thread_has_saved_and_closed_its_environments():
+    """A Ctrl-C that lands while the main thread waits for the seeds must not let train_together
+    return before each seed's thread has finished its save and closed its environments: Python
+    3.11's Thread.join, interrupted by a signal, marks a thread that still runs as stopped."""
+    import signal
+    import threading
+    import time
+
+    import launch
+
+    events = []
+
+    class Environment:
+        def close(self):
+            events.append(("closed", threading.current_thread().name))
+
+    class Trainer:  # stands in for dreamer.Trainer: trains until asked to stop, then saves for a while
+        done, frames = False, 0
+
+        def __init__(self):
+            self.agreement = type("Agreement", (), {})()
+            self.agreement.stops = launch.Stops({signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: SystemExit},
+                                                enabled=False)
+
+        def train(self):
+            while not self.agreement.stops.code:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the checkpoint's write
+            events.append(("saved", threading.current_thread().name))
+
+    class Batched:
+        def leave(self, k):
+            events.append(("left", f"seed{k}"))
+
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            seeds.train_together([Trainer()], [torch.Generator()], Batched(), [[Environment()]])
+        returned = list(events)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert returned == [("saved", "seed0"), ("left", "seed0"), ("closed", "seed0")]
+
+
 @pytest.mark.slow  # its own process: the signal handler is the point
 def test_sigterm_saves_every_seed_and_a_rerun_resumes_them(tmp_path):
     import os
