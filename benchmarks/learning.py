@@ -39,9 +39,12 @@ training episodes, the round, the commit that runner.json recorded, the date), a
 either code with no run under OUT take its kept run, so a task's seeds can be run over several sessions and
 reported together (the report names the kept seeds). The file holds one setting: `--keep` refuses flags after `--`
 other than the file's. Runs of rounds 3-5, whose logs were not kept, are there as their published last-quarter
-mean (with the frames it covered) and best first-quarter episode only (no curve). `--dry-run` prints every command
-and starts nothing; `--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels in
-`--official-python`). Bad input: one line, exit 2.
+mean (with the frames it covered) and best first-quarter episode only (no curve). Before anything starts, every
+task and code is checked as its run checks itself (the flags, the task and the device for this project; for the
+official code also official.py's translation: recipe2024, one model size, one DMC task); `--dry-run` does only that
+and prints every command. `--device cuda` after `--` runs both codes on a GPU (the official one needs its CUDA wheels
+in `--official-python`). Bad input: one line, exit 2. A run that fails or times out prints the last lines of its log
+on stderr, and the runner, after writing the report, exits 1.
 """
 
 import argparse
@@ -138,12 +141,15 @@ def record(logdir, status, argv, started, code, commit):
 
 
 def run_all(jobs, args):
-    """Start the jobs `args.parallel` at a time; each gets `args.hours` of wall clock."""
+    """Start the jobs `args.parallel` at a time; each gets `args.hours` of wall clock. Returns the jobs
+    that failed or timed out, each of whose log's last lines have been printed on stderr."""
     pending = [job for job in jobs if not finished(job["logdir"])]
     for job in jobs:
         if job not in pending:
             print(f"learning.py: finished before, not rerun: {job['logdir']}")
     running = []
+    for job in jobs:
+        job.pop("status", None)
     while pending or running:
         while pending and len(running) < args.parallel:
             job = pending.pop(0)
@@ -171,7 +177,21 @@ def run_all(jobs, args):
             record(job["logdir"], status, job["argv"], job["started"], code, job["commit"])
             print(f"learning.py: {status} (exit {code}) after {time.time() - job['started']:.0f} s: {job['logdir']}",
                   flush=True)
+            if status != "finished":
+                job["status"] = status
+                tail = "\n".join(f"  | {line}" for line in log_tail(job["log"].name))
+                print(f"learning.py: the last lines of {job['log'].name}:\n{tail}", file=sys.stderr, flush=True)
             running.remove(job)
+    return [job for job in jobs if job.get("status") in ("failed", "timed out")]
+
+
+def log_tail(path, lines=20):
+    """The last `lines` lines of a run's log, where its reason for failing is."""
+    try:
+        text = pathlib.Path(path).read_text(errors="replace")
+    except OSError as e:
+        return [f"(cannot read it: {e.strerror or e})"]
+    return text.rstrip("\n").splitlines()[-lines:] or ["(empty)"]
 
 
 # ==================================================================================================
@@ -466,15 +486,19 @@ def parse_args(argv):
     parser.add_argument("--keep", type=int, metavar="ROUND", help="write the finished runs under --out into the "
                         "--kept file as round ROUND (the flags after -- must be the file's)")
     args = parser.parse_args(own)
-    args.tasks = [t for t in args.tasks.split(",") if t]
+    given, args.tasks = args.tasks, [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.tasks:
+        raise RunnerError(f"--tasks {given!r}: name at least one task, e.g. dmc_cheetah_run,dmc_walker_walk")
     args.codes = [c for c in args.codes.split(",") if c]
-    bad = [c for c in args.codes if c not in CODES]
+    bad = [c for c in args.codes if c not in CODES] or ([""] if not args.codes else [])
     if bad:
         raise RunnerError(f"--codes {','.join(bad)}: valid: {', '.join(CODES)}")
     try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s]
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise RunnerError(f"--seeds {args.seeds}: give whole numbers, e.g. 0,1,2") from None
+    if not args.seeds:
+        raise RunnerError("--seeds '': give whole numbers, e.g. 0,1,2")
     if args.batched and args.seeds != list(range(args.seeds[0], args.seeds[0] + len(args.seeds))):
         raise RunnerError(f"--batched needs consecutive seeds (dreamer.py --seeds N trains seed .. seed + N - 1), "
                           f"not {','.join(map(str, args.seeds))}")
@@ -509,9 +533,65 @@ def steps_of(flags):
         raise RunnerError(f"the flags after --: {e}") from None
 
 
+def gpu_problem():
+    """Why the official code could not run on a GPU here (None when nvidia-smi lists one): JAX's CUDA
+    wheels live in another interpreter, so the machine's driver is asked, not torch."""
+    try:
+        found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi cannot be run ({getattr(e, 'strerror', None) or type(e).__name__}): no NVIDIA driver here"
+    return None if found.returncode == 0 and "GPU" in found.stdout else "nvidia-smi lists no GPU"
+
+
+def check_runs(args):
+    """Check every task and code the runner would start as that run checks itself before it writes
+    anything (dreamer.py's setup: the flags, the task, the device; official.py's translation: recipe2024,
+    a model size, one DMC task, the start), so that a mistake is one line before any run starts, not a
+    failed run hours later. Raises RunnerError naming the code and task."""
+    sys.path.insert(0, str(ROOT))
+    import official
+
+    import config as cfg
+    import envs
+    import launch
+    import logs
+    import seeds
+    import tools
+
+    for task in args.tasks:
+        for code in args.codes:
+            flags = [*args.flags, "--task", task, "--seed", str(args.seeds[0]), "--logdir", "unused"]
+            if code == "project" and args.batched:
+                flags += ["--seeds", str(len(args.seeds))]
+            try:
+                if code == "project":
+                    config = cfg.parse(flags)
+                    cfg.check_text(config)
+                    cfg.check_processes(config)
+                    logs.check_loggers(config.logger)
+                    config = cfg.check_tasks(config)
+                    config, _ = launch.resolve_device(config)
+                    seeds.check(config, 1)
+                elif code == "official":
+                    config, suite, size = official.settle(flags)
+                    envs.check_task(task)
+                    official.check_start(config)
+                    official.official_flags(config, suite, size, pathlib.Path("unused"))
+                    if config.device.startswith("cuda") and (problem := gpu_problem()) is not None:
+                        raise RunnerError(f"--device {config.device} cannot be used: {problem}")
+                    if not args.dry_run:
+                        official.check_interpreter(args.official_python)
+                else:
+                    raise AssertionError(code)  # validated in parse_args
+            except (tools.ConfigError, envs.TaskError, official.OfficialError, RunnerError) as e:
+                raise RunnerError(f"{code} run of {task}: {e}") from None
+
+
 def main(argv=None):
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        if not args.report:
+            check_runs(args)
     except RunnerError as e:
         print(f"learning.py: {e}", file=sys.stderr)
         return 2
@@ -542,8 +622,7 @@ def main(argv=None):
         print(f"learning.py: --report: no run of {','.join(args.tasks)} with an episode under --out {args.out}",
               file=sys.stderr)
         return 2
-    if not args.report:
-        run_all(jobs, args)
+    failed = run_all(jobs, args) if not args.report else []
     if args.keep is not None:
         try:
             count = keep(args.out, args.tasks, args.seeds, args.codes, args.first, args.kept, args.keep, args.flags)
@@ -553,6 +632,10 @@ def main(argv=None):
         print(f"learning.py: kept {count} finished run(s) in {args.kept} as round {args.keep}")
         args.kept_runs = load_kept(args.kept)
     print(report(args.out, args.tasks, args.seeds, args.codes, args.total, args.bin, args.kept_runs, args.first))
+    if failed:
+        print(f"learning.py: {len(failed)} run(s) did not finish (their logs' last lines are above; rerun to "
+              f"resume them): " + ", ".join(str(job["logdir"]) for job in failed), file=sys.stderr)
+        return 1
     return 0
 
 

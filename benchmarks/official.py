@@ -43,6 +43,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -253,6 +254,14 @@ def convert(logdir, config, settings):
     return len(out)
 
 
+def check_interpreter(python):
+    """--python must name an interpreter this machine can start (checked before the logdir is made)."""
+    found = shutil.which(python) if os.sep not in python else python
+    if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        raise OfficialError(f"--python {python}: no executable interpreter there; give the Python that has the "
+                            "official code's requirements (e.g. ~/dreamerv3/venv/bin/python)")
+
+
 def add_checkout_arguments(parser):
     """--official and --python: the official checkout and its interpreter (same_weights.py takes them too)."""
     parser.add_argument("--official", type=pathlib.Path, help="a checkout of danijar/dreamerv3")
@@ -293,6 +302,8 @@ def main(argv=None):
         main_py = (args.official or pathlib.Path("<official>")) / "dreamerv3" / "main.py"
         if not args.dry_run and not main_py.is_file():
             raise OfficialError(f"--official {args.official}: no dreamerv3/main.py there")
+        if not args.dry_run:
+            check_interpreter(args.python)
     except OfficialError as e:
         print(f"official.py: {e}", file=sys.stderr)
         return 2

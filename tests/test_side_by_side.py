@@ -140,6 +140,16 @@ def test_settings_the_official_code_cannot_take_are_one_line_and_exit_2(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_an_interpreter_that_does_not_exist_is_one_line_and_exit_2_before_the_logdir(checkout, tmp_path):
+    for python in ("/nonexistent", str(tmp_path)):  # no file; a folder, not an executable
+        result = run_official("--official", str(checkout), "--python", python, *SETTINGS, "--task", "dmc_cheetah_run",
+                              "--logdir", str(tmp_path / "run"))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == f"official.py: --python {python}: no executable interpreter there; give the " \
+            "Python that has the official code's requirements (e.g. ~/dreamerv3/venv/bin/python)"
+        assert result.stdout == "" and not (tmp_path / "run").exists()
+
+
 def test_the_run_keeps_the_single_thread_flags_and_writes_the_project_form(checkout, tmp_path):
     logdir = tmp_path / "run"
     result = run_official("--official", str(checkout), "--python", sys.executable, *SETTINGS,
@@ -215,7 +225,11 @@ def test_official_speed_mistakes_are_one_line_and_exit_2(checkout, args, words, 
 # ----------------------------------------------------------------------------------------------
 
 
-def test_the_dry_run_gives_both_codes_the_same_flags_and_cuda_reaches_both(tmp_path, capsys):
+def test_the_dry_run_gives_both_codes_the_same_flags_and_cuda_reaches_both(tmp_path, capsys, monkeypatch):
+    import launch
+
+    monkeypatch.setattr(launch, "cuda_problem", lambda device: None)  # stand-ins for a usable GPU
+    monkeypatch.setattr(learning, "gpu_problem", lambda: None)
     code = learning.main(["--tasks", "dmc_cheetah_run,dmc_walker_walk", "--seeds", "0,1", "--out", str(tmp_path),
                           "--dry-run", "--", *SETTINGS[:-1], "cuda"])
     assert code == 0
@@ -255,13 +269,16 @@ def test_runs_are_resumable_a_finished_run_is_not_started_again(checkout, tmp_pa
 
 
 @pytest.mark.slow  # learning.main starts the runs as processes
-def test_a_failed_run_is_recorded_and_started_again(tmp_path, capsys):
-    broken = tmp_path / "broken"
-    (broken / "dreamerv3").mkdir(parents=True)
-    (broken / "dreamerv3" / "main.py").write_text("raise SystemExit(3)\n")
+def test_a_failed_run_is_recorded_and_started_again(checkout, tmp_path, capsys):
+    broken = checkout
+    (broken / "dreamerv3" / "main.py").write_text("print('a line before')\nraise SystemExit('the stand-in fails: "
+                                                  "no module named jax')\n")
     argv = ["--tasks", "dmc_cheetah_run", "--seeds", "0", "--codes", "official", "--official", str(broken),
             "--official-python", sys.executable, "--out", str(tmp_path / "out"), "--", *SETTINGS]
-    assert learning.main(argv) == 0
+    assert learning.main(argv) == 1  # a failed run fails the runner
+    err = capsys.readouterr().err
+    assert "the last lines of" in err and "the stand-in fails: no module named jax" in err  # its reason, shown
+    assert "1 run(s) did not finish" in err
     logdir = tmp_path / "out" / "dmc_cheetah_run" / "official_s0"
     assert json.loads((logdir / "runner.json").read_text())["status"] == "failed"
     assert "Verdict: **incomplete**" in (tmp_path / "out" / "learning.md").read_text()
@@ -458,8 +475,25 @@ def test_the_chance_that_equal_codes_fall_outside_the_range_against_exact_values
     (["--tasks", "dmc_cheetah_run"], "--official None"),
     (["--tasks", "dmc_cheetah_run", "--codes", "project", "--", "--task", "x"], "--task after --"),
     (["--tasks", "dmc_cheetah_run", "--report"], "no run of dmc_cheetah_run with an episode under --out"),
+    (["--tasks", "", "--codes", "project"], "--tasks '': name at least one task"),
+    (["--tasks", ",", "--codes", "project", "--dry-run"], "--tasks ',': name at least one task"),
+    # --dry-run checks every task and code it would start, as each run checks itself:
+    (["--tasks", "dmc_cheetah_run,dmc_cheetah_runn", "--dry-run", "--", *SETTINGS],
+     "project run of dmc_cheetah_runn: Unknown DMC task 'dmc_cheetah_runn'; closest valid: dmc_cheetah_run"),
+    (["--tasks", "dmc_cheetah_run", "--codes", "official", "--dry-run", "--", *SETTINGS[:-1], "cuda"],
+     "official run of dmc_cheetah_run: --device cuda cannot be used: no GPU (stand-in)"),
+    (["--tasks", "dmc_cheetah_run", "--codes", "project", "--dry-run", "--", *SETTINGS[:-1], "cuda"],
+     "project run of dmc_cheetah_run: --device cuda cannot be used: no GPU (stand-in)"),
+    (["--tasks", "dmc_cheetah_run", "--dry-run", "--", *[w for w in SETTINGS if w != "recipe2024"]],
+     "official run of dmc_cheetah_run: --configs must name recipe2024"),
+    (["--tasks", "dmc_cheetah_run", "--codes", "official", "--dry-run", "--", *SETTINGS, "--dyn_hidden", "256"],
+     "official run of dmc_cheetah_run: --dyn_hidden 256: no official flag carries this"),
 ])
-def test_runner_mistakes_are_one_line_and_exit_2(tmp_path, capsys, argv, words):
+def test_runner_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, words):
+    import launch
+
+    monkeypatch.setattr(launch, "cuda_problem", lambda device: "no GPU (stand-in)")  # whatever this machine has
+    monkeypatch.setattr(learning, "gpu_problem", lambda: "no GPU (stand-in)")
     assert learning.main([*argv[:2], "--out", str(tmp_path), *argv[2:]]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
