@@ -17,7 +17,7 @@ checkpoints. A run still going after `--hours` (3 by default) is stopped and mar
 rerunning the runner continues it. `--report` only writes the report of what is there.
 
 The report (also written after the runs): `OUT/learning.md`, one table per task (train return per
-`--bin` frames, mean and min-max over seeds, per code, and the paper's curve from
+`--bin`-frame window, each column headed by its range, mean and min-max over seeds, per code, and the paper's curve from
 benchmarks/reference_curves.json, whose setting is train ratio 512, batch 16 x 64, action repeat 2, so
 it matches only runs at that setting; under it each code's last-quarter mean and sd over seeds and
 Welch's t of the two, and how often the rule would say below or above for two equal codes at those seed
@@ -419,7 +419,7 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
                     apart.append(f"{code} seed {seed} (kept as a mean over frames ending at {window:,.0f})")
         stats = {code: values for code, values in stats.items() if values["seeds"]}
         frames = np.arange(bin_frames, total + bin_frames / 2, bin_frames)
-        lines += [f"### {task}", "", "| code | seeds | " + " | ".join(plot.format_frames(f) for f in frames)
+        lines += [f"### {task}", "", "| code | seeds | " + " | ".join(plot.window_label(f, bin_frames) for f in frames)
                   + " | last quarter, per seed |", "|---" * (len(frames) + 3) + "|"]
         for code, values in stats.items():
             cells = [""] * len(frames)
@@ -437,7 +437,8 @@ def report(out, tasks, seeds, codes, total, bin_frames, kept=None, batched=None)
         if curve is not None:
             cells = [f"{curve['mean'][np.flatnonzero(curve['frames'] == f)[0]]:.0f}"
                      if np.any(curve["frames"] == f) else "" for f in frames]
-            lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
+            if any(cells):  # no empty row where the paper has no window at these frames
+                lines.append(f"| paper (ratio 512, 16 x 64) | {curve['seeds']} | " + " | ".join(cells) + " | |")
         decision = verdict(stats.get("project", {}).get("last", []), stats.get("official", {}).get("last", []),
                            stats.get("official", {}).get("first", []))
         lines += ["", f"Verdict: **{decision}**", "",

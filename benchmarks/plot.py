@@ -1,7 +1,10 @@
 """Learning curves of training runs beside the published DreamerV3 curves.
 
-    python3 benchmarks/plot.py logdir/walker_s0 logdir/walker_s1 logdir/pong --output curves.png
+    python3 benchmarks/plot.py logdir/walker_s0 logdir/walker_s1 logdir/pong --output logdir/curves.png
     python3 benchmarks/plot.py logdir/walker_* --metric train/return --reference dmc_proprio --spread minmax
+
+The figure goes to `--output`, by default `plot.png` in the first RUN's folder (never the current folder).
+A RUN given twice (the same folder under the same name) counts once.
 
 Each RUN is a logdir with `metrics.jsonl` (written by logs.Logger; `step` counts environment frames),
 or a logdir of the official code (danijar/dreamerv3) with `scores.jsonl`, whose training-episode scores
@@ -18,9 +21,10 @@ logged `train/<task>/frames`; runs that predate it: its round-robin share of `en
 compare runs at the same frames per task.
 
 Aggregation follows the reference files: the frames are cut into windows (f - bin, f]; a seed's value
-at f is the mean of its points in the window; mean, std (ddof=0), min and max are then taken over the
+in a window is the mean of its points there; mean, std (ddof=0), min and max are then taken over the
 seeds that have a point there. The bin width is a round number near 1/50 of the longest run, and never
-narrower than the runs' logging interval.
+narrower than the runs' logging interval. The figure draws each window's value at the window's centre
+(f - bin / 2), the paper's windows as well; `--table` labels each window by its range, `0-10K` for (0, 10K].
 
 The published curves come from benchmarks/reference_curves.json (see "source" in it: the official
 score files, danijar/dreamerv3 scores/); regenerate it with `python3 benchmarks/plot.py --write-reference DIR`
@@ -319,15 +323,32 @@ def format_frames(x, _=None):
     return f"{x:g}"
 
 
+def split_run(run):
+    """(NAME, path) of a RUN argument: NAME=PATH names its curve; a plain path has the name ''."""
+    named = "=" in str(run) and not pathlib.Path(run).exists()
+    label, _, path = str(run).partition("=") if named else ("", "", str(run))
+    return label, pathlib.Path(path)
+
+
+def distinct(runs):
+    """(the runs, each folder once per name, in order; those given again): a seed given twice would
+    count twice in the mean and spread."""
+    kept, again, seen = [], [], set()
+    for run in runs:
+        label, path = split_run(run)
+        key = (label, path.resolve())
+        (again if key in seen else kept).append(run)
+        seen.add(key)
+    return kept, again
+
+
 def collect(runs, metric, reference_choice, reference):
     """Runs grouped by task: {task: {"seeds": [(steps, values), ...], "several": [...],
     "named": {name: [...]}, "reference": curve or None}}; "several" holds the task's curves from
-    runs of several tasks, "named" those of NAME=PATH runs."""
+    runs of several tasks, "named" those of NAME=PATH runs. A run given twice counts once."""
     groups = {}
-    for run in runs:
-        named = "=" in str(run) and not pathlib.Path(run).exists()
-        label, _, path = str(run).partition("=") if named else ("", "", str(run))
-        run = pathlib.Path(path)
+    for run in distinct(runs)[0]:
+        label, run = split_run(run)
         config = read_config(run)
         tasks = [task.strip() for task in task_of(run, config).split(",")]
         records = read_metrics(run)
@@ -352,9 +373,14 @@ def collect(runs, metric, reference_choice, reference):
     return groups
 
 
+def window_label(end, width):
+    """A window (end - width, end] by its range: 0-10K, 10K-20K."""
+    return f"{format_frames(max(end - width, 0))}-{format_frames(end)}"
+
+
 def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
     """Write the figure; returns a summary line per panel (and, with `table`, one per curve with its
-    binned means, the figure's numbers)."""
+    binned means by window, the figure's numbers). Each window is drawn at its centre."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -382,22 +408,25 @@ def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
             head = where.strip() if where.strip() in group["named"] else f"this project{where}"  # NAME=PATH: NAME
             label = f"{head}: {metric} " + (f"({n} seeds, {spread_name})" if n > 1 else "(1 seed)")
             marker = "o" if len(agg["frames"]) < 20 else None
-            ax.plot(agg["frames"], agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
+            centres = agg["frames"] - width / 2
+            ax.plot(centres, agg["mean"], color=color, lw=1.8, marker=marker, ms=3, label=label)
             if n > 1:
-                ax.fill_between(agg["frames"], low, high, color=color, alpha=0.25, lw=0)
+                ax.fill_between(centres, low, high, color=color, alpha=0.25, lw=0)
             x_max = max(x_max, float(agg["frames"].max()))
             numbers.append(f"{task}, this project{where}: " + ", ".join(
-                f"{format_frames(f)} {m:.1f}" for f, m in zip(agg["frames"], agg["mean"])))
+                f"{window_label(f, width)} {m:.1f}" for f, m in zip(agg["frames"], agg["mean"])))
         ref = group["reference"]
         if ref is not None:
             frames, mean, std = ref["frames"], ref["mean"], ref["std"]
+            ref_width = float(np.min(np.diff(frames))) if len(frames) > 1 else float(frames[0])
             # Draw the paper's curve over the span of our runs (one more point so it reaches the edge).
-            shown = frames <= x_max + (frames[1] - frames[0] if len(frames) > 1 else 0)
+            shown = frames <= x_max + ref_width
             shown[0] = True
             ref_label = (f"DreamerV3 paper, {ref['suite']} ({ref['seeds']} seeds, mean ± std, train return)\n"
                          f"paper at {format_frames(frames[-1])} frames: {mean[-1]:.0f} ± {std[-1]:.0f}")
-            ax.plot(frames[shown], mean[shown], color="C1", lw=1.5, ls="--", label=ref_label)
-            ax.fill_between(frames[shown], (mean - std)[shown], (mean + std)[shown], color="C1", alpha=0.18, lw=0)
+            ax.plot(frames[shown] - ref_width / 2, mean[shown], color="C1", lw=1.5, ls="--", label=ref_label)
+            ax.fill_between(frames[shown] - ref_width / 2, (mean - std)[shown], (mean + std)[shown], color="C1",
+                            alpha=0.18, lw=0)
             note = f"reference {ref['suite']}:{ref['task']}"
         else:
             note = "no published curve"
@@ -406,11 +435,15 @@ def plot(groups, metric, output, spread="std", bin_frames=None, table=False):
         if table:
             lines.extend(numbers)
             if ref is not None:
-                lines.append(f"{task}, DreamerV3 paper: " + ", ".join(
-                    f"{format_frames(f)} {m:.1f}" for f, m in zip(ref["frames"], ref["mean"]) if f <= x_max + width))
+                points = [f"{window_label(f, ref_width)} {m:.1f}" for f, m in zip(ref["frames"], ref["mean"])
+                          if f <= x_max + width]
+                lines.append(f"{task}, DreamerV3 paper: " + (", ".join(points) or (
+                    f"no window within the runs' {format_frames(x_max)} frames (its first ends at "
+                    f"{format_frames(ref['frames'][0])})")))
         ax.set_title(f"{task}  ({', '.join(counts)}{'' if ref is not None else ', no published curve'})",
                      fontsize=10)
-        ax.set_xlabel("the task's environment frames (action repeat included)")
+        ax.set_xlabel(f"the task's environment frames (action repeat included); each point: the mean over a "
+                      f"{format_frames(width)}-frame window, at its centre", fontsize=8)
         ax.set_ylabel("episode return" if metric.endswith("/return") else metric)
         ax.set_xlim(0, x_max * 1.02 if x_max > 0 else 1)
         ax.xaxis.set_major_formatter(FuncFormatter(format_frames))
@@ -431,7 +464,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", metavar="RUN",
                         help="logdirs with metrics.jsonl (same task = seeds), or NAME=PATH for a named curve")
-    parser.add_argument("--output", default="plot.png", help="PNG file to write (default plot.png)")
+    parser.add_argument("--output", default=None, help="PNG file to write (default: plot.png in the first RUN)")
     parser.add_argument("--metric", default="eval/return", help="key in metrics.jsonl, e.g. eval/return, train/return")
     parser.add_argument("--reference", default="auto", choices=("auto", *SUITES),
                         help="published curves to draw beside the runs (default auto, described above)")
@@ -450,6 +483,9 @@ def main(argv=None):
             return 0
         if not args.runs:
             raise PlotError("give at least one RUN folder")
+        args.runs, again = distinct(args.runs)
+        if args.output is None:
+            args.output = str(split_run(args.runs[0])[1] / "plot.png")
         if pathlib.Path(args.output).suffix.lower() != ".png":
             raise PlotError(f"--output must be a .png file, got {args.output}")
         if args.bin is not None and args.bin <= 0:
@@ -460,6 +496,8 @@ def main(argv=None):
         print(f"plot.py: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}")
+    if again:
+        print(f"  given more than once, counted once: {', '.join(map(str, again))}")
     for line in lines:
         print(f"  {line}")
     return 0

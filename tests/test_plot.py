@@ -196,8 +196,66 @@ def test_named_runs_are_curves_of_their_own_and_table_prints_their_means(tmp_pat
     # windows (0, 10K], (10K, 20K], ...: points at 5K and 10K, then 15K and 20K, ...; mean over seeds
     expected = [np.mean([np.mean(v[2 * i:2 * i + 2]) for v in values]) for i in range(4)]
     line = next(line for line in result.stdout.splitlines() if "this project v1:" in line)
-    assert line.split(": ", 1)[1] == ", ".join(f"{k}K {m:.1f}" for k, m in zip((10, 20, 30, 40), expected))
-    assert any(line.strip().startswith("dmc_walker_walk, DreamerV3 paper: 20K") for line in result.stdout.splitlines())
+    ranges = ("0-10K", "10K-20K", "20K-30K", "30K-40K")  # each window by its range, not its upper edge
+    assert line.split(": ", 1)[1] == ", ".join(f"{k} {m:.1f}" for k, m in zip(ranges, expected))
+    # the paper's dmc_vision windows are 20K wide: (0, 20K] is its first
+    paper = next(line.strip() for line in result.stdout.splitlines() if "DreamerV3 paper:" in line)
+    assert paper.startswith("dmc_walker_walk, DreamerV3 paper: 0-20K ")
+
+
+def test_windows_are_drawn_at_their_centres(tmp_path, monkeypatch):
+    """A window (f - bin, f] is drawn at f - bin / 2, the paper's windows (20K wide in dmc_vision) likewise."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, x, y, *a, **k: drawn.append(
+        (k.get("label", ""), np.asarray(x, float), np.asarray(y, float))) or real(ax, x, y, *a, **k))
+    run = fake_run(tmp_path / "w", task="dmc_walker_walk", frames=40_000, every=5_000)
+    groups = plot.collect([run], "eval/return", "auto", plot.load_reference())
+    plot.plot(groups, "eval/return", tmp_path / "w.png", bin_frames=10_000)
+    ours = next(x for label, x, _ in drawn if label.startswith("this project"))
+    np.testing.assert_allclose(ours, [5_000, 15_000, 25_000, 35_000])
+    paper = next(x for label, x, _ in drawn if label.startswith("DreamerV3 paper"))
+    assert paper[0] == 10_000 and np.all(np.diff(paper) == 20_000)  # dmc_vision's (0, 20K] at 10K, ...
+
+
+def test_the_figure_goes_into_the_first_run_not_the_current_folder(tmp_path):
+    runs = [fake_run(tmp_path / f"w{s}", task="dmc_walker_walk", seed=s) for s in range(2)]
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, runs)], capture_output=True, text=True,
+                            cwd=elsewhere, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert_png(runs[0] / "plot.png") and not (runs[1] / "plot.png").exists()
+    assert result.stdout.splitlines()[0] == f"wrote {runs[0] / 'plot.png'}"
+    named = run_cli(f"a={runs[1]}", f"b={runs[0]}")  # NAME=PATH: the path's folder
+    assert named.returncode == 0 and (runs[1] / "plot.png").exists()
+
+
+def test_a_run_given_twice_counts_once(tmp_path):
+    runs = [fake_run(tmp_path / f"w{s}", task="dmc_walker_walk", seed=s) for s in range(2)]
+    again = tmp_path / "w0" / ".." / "w0"  # the same folder, spelt otherwise
+    groups = plot.collect([*runs, again], "eval/return", "auto", plot.load_reference())
+    assert len(groups["dmc_walker_walk"]["seeds"]) == 2
+    result = run_cli(*runs, again, "--output", tmp_path / "out.png")
+    assert result.returncode == 0, result.stderr
+    assert f"given more than once, counted once: {again}" in result.stdout
+    assert "dmc_walker_walk: 2 seeds, up to" in result.stdout
+    named = plot.collect([f"a={runs[0]}", f"b={runs[0]}"], "eval/return", "auto", plot.load_reference())
+    assert sorted(named["dmc_walker_walk"]["named"]) == ["a", "b"]  # two names are two curves
+
+
+def test_a_run_shorter_than_the_papers_first_window_prints_no_empty_paper_row(tmp_path):
+    run = fake_run(tmp_path / "w", task="dmc_walker_walk", frames=4_000, every=1_000)
+    result = run_cli(run, "--output", tmp_path / "out.png", "--table", "--bin", 1_000)
+    assert result.returncode == 0, result.stderr
+    row = next(line.strip() for line in result.stdout.splitlines() if "DreamerV3 paper:" in line)
+    assert row == "dmc_walker_walk, DreamerV3 paper: no window within the runs' 4K frames (its first ends at 20K)"
 
 
 def test_runs_of_several_tasks_are_drawn_on_each_task_s_own_frames(tmp_path):
