@@ -21,6 +21,9 @@ prefix. `step` counts environment frames (action repeat included) in both.
   the mean over seeds, then the mean over tasks. --frames defaults to the paper's budgets: 500K for
   proprioceptive runs (config encoder.cnn_keys '$^'), 1M for runs from images; other suites: the
   frames the runs reached. DMC Proprio and DMC Vision are separate aggregates.
+- A run shorter than its suite's budget (without --frames) is scored at the frames every run of the suite
+  reached, and the line says so (SHORT RUN; "short_of" in --json): a number to compare runs of one
+  length, not the paper's. A window reaching below frame 0 starts at 0.
 - Crafter (crafter_<task>): per seed, each achievement's success rate, the percent of all training
   episodes up to --frames (default 1M) that unlocked it, and the Crafter score
   S = exp(mean_i ln(1 + s_i)) - 1 over the achievements (Hafner 2021, "Benchmarking the Spectrum of
@@ -203,16 +206,22 @@ def suite_of(task, config):
     return task.split("_", 1)[0]
 
 
+def reached(run):
+    """The last frame a run logged."""
+    return max(float(r["step"]) for r in run["records"])
+
+
 def frame_budget(suite, runs, frames):
+    """(the frames to score at, the paper's budget it falls short of or None). Without --frames: the
+    paper's budget, or, where a run stopped short of it, the frames every run reached (so that each
+    seed is scored at the same frames), which the output names as short of the budget."""
     if frames:
-        return frames
-    if suite == "atari100k":
-        return ATARI_FRAMES
-    if suite == "crafter":
-        return CRAFTER_FRAMES
-    if suite in DMC_FRAMES:
-        return DMC_FRAMES[suite]
-    return max(max(float(r["step"]) for r in run["records"]) for run in runs)
+        return frames, None
+    budget = {"atari100k": ATARI_FRAMES, "crafter": CRAFTER_FRAMES, **DMC_FRAMES}.get(suite)
+    common = min(reached(run) for run in runs)
+    if budget is None:
+        return max(reached(run) for run in runs), None
+    return (budget, None) if common >= budget else (common, budget)
 
 
 def seed_returns(runs, metric, frames, window):
@@ -220,10 +229,10 @@ def seed_returns(runs, metric, frames, window):
     out = {}
     for run in runs:
         steps, values, weights = run_points(run["path"], run["records"], metric, run["official"])
-        value = window_mean(steps, values, weights, frames - window, frames)
+        value = window_mean(steps, values, weights, max(frames - window, 0), frames)
         if value is None:
-            raise ScoreError(f"{run['path']}: no {metric} in the window ({fmt(frames - window)}, {fmt(frames)}] "
-                             f"frames (it reached {fmt(steps.max())}); give --frames or --window")
+            raise ScoreError(f"{run['path']}: no {metric} in the window ({fmt(max(frames - window, 0))}, "
+                             f"{fmt(frames)}] frames (it reached {fmt(steps.max())}); give --frames or --window")
         out.setdefault(run["task"], {})[run["path"]] = value
     return dict(sorted(out.items()))
 
@@ -253,8 +262,10 @@ def crafter_rates(run, metric, frames):
 
 def score_suite(suite, runs, metric, frames, window, table):
     """One suite's aggregate as a dict (see main for its printed form)."""
-    frames = frame_budget(suite, runs, frames)
+    frames, short_of = frame_budget(suite, runs, frames)
     out = {"suite": suite, "metric": metric, "frames": frames}
+    if short_of is not None:
+        out["short_of"] = short_of
     published = sorted({run["published_seeds"] for run in runs if "published_seeds" in run})
     if published:
         out["published_seeds"] = published
@@ -268,7 +279,7 @@ def score_suite(suite, runs, metric, frames, window, table):
                    seed_success_rates=per_seed)
         return out
     returns = seed_returns(runs, metric, frames, window)
-    out.update(window=[frames - window, frames], tasks={task: {"seeds": seeds, "mean": float(np.mean(list(
+    out.update(window=[max(frames - window, 0), frames], tasks={task: {"seeds": seeds, "mean": float(np.mean(list(
         seeds.values())))} for task, seeds in returns.items()})
     if suite == "atari100k":
         agg = atari_aggregate({task: list(seeds.values()) for task, seeds in returns.items()}, table)
@@ -311,7 +322,19 @@ def seeds_text(result):
     return f"{text} seed{'s' * (counts[-1] > 1)} each"
 
 
+def short_note(result):
+    """What a score of runs short of the paper's budget is, in words; '' at the budget."""
+    if "short_of" not in result:
+        return ""
+    return (f"; SHORT RUN: scored at {fmt(result['frames'])} frames, the most every run reached, not the paper's "
+            f"{fmt(result['short_of'])}, so not comparable with its number")
+
+
 def summary(result):
+    return summary_line(result) + short_note(result)
+
+
+def summary_line(result):
     suite, metric = result["suite"], result["metric"]
     if suite == "crafter":
         rates = ", ".join(f"{name} {rate:.1f}" for name, rate in result["success_rates"].items())

@@ -121,10 +121,42 @@ def test_dmc_mean_over_tasks_at_a_frame_budget(tmp_path):
     out = json.loads(result.stdout)["suites"]["dmc_vision"]
     assert out["tasks"]["dmc_walker_walk"]["mean"] == pytest.approx(800.0)
     assert out["mean"] == pytest.approx((800.0 + 500.0) / 2)
-    # Without --frames a run from images is scored at the paper's 1M frames, which these never reached.
-    result = run_cli(SCRIPT, *walker, "--metric", "eval/return")
+    # An explicit --frames beyond what the runs reached has no episode in its window.
+    result = run_cli(SCRIPT, *walker, "--metric", "eval/return", "--frames", "1e6")
     assert result.returncode == 2 and "no eval/return in the window (990K, 1M] frames (it reached 500K)" in \
         result.stderr
+
+
+def test_a_run_short_of_the_papers_budget_is_scored_at_the_frames_it_reached_and_says_so(tmp_path):
+    """Without --frames, runs from images short of the paper's 1M frames are scored at the frames every
+    run reached, (490K, 500K] here, by hand: walker (900 + 700) / 2, cheetah 500 (reached 520K)."""
+    walker = [our_run(tmp_path / f"walker_s{s}", "dmc_walker_walk", [
+        (490_000, {"eval/return": 100.0, "eval/episodes": 10}), (500_000, {"eval/return": v, "eval/episodes": 10})])
+        for s, v in enumerate([900.0, 700.0])]
+    cheetah = our_run(tmp_path / "cheetah", "dmc_cheetah_run", [(500_000, {"eval/return": 500.0, "eval/episodes": 4}),
+                                                                 (520_000, {"eval/return": 3.0, "eval/episodes": 4})])
+    result = run_cli(SCRIPT, *walker, cheetah, "--metric", "eval/return")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "dmc_vision (2 tasks, 1-2 seeds each; eval/return of the episodes in (490K, 500K] frames): mean over tasks "
+        "650.0; SHORT RUN: scored at 500K frames, the most every run reached, not the paper's 1M, so not comparable "
+        "with its number")
+    out = json.loads(run_cli(SCRIPT, *walker, cheetah, "--metric", "eval/return", "--json").stdout)
+    assert out["suites"]["dmc_vision"]["short_of"] == 1_000_000 and out["suites"]["dmc_vision"]["frames"] == 500_000
+    at_budget = json.loads(run_cli(SCRIPT, *walker, "--metric", "eval/return", "--frames", "5e5", "--json").stdout)
+    assert "short_of" not in at_budget["suites"]["dmc_vision"]
+
+
+def test_a_window_longer_than_the_run_starts_at_frame_0(tmp_path):
+    """A smoke run of 600 frames: the default 10K window is (0, 600], never a negative start."""
+    run = our_run(tmp_path / "smoke", "dmc_cartpole_balance", [
+        (200, {"train/return": 4.0, "train/episodes": 1}), (600, {"train/return": 8.0, "train/episodes": 4})])
+    result = run_cli(SCRIPT, run)
+    assert result.returncode == 0, result.stderr
+    assert "episodes in (0, 600] frames): mean over tasks 7.0; SHORT RUN: scored at 600 frames" in result.stdout
+    assert "-" not in result.stdout.split("episodes in (")[1].split("]")[0]
+    result = run_cli(SCRIPT, run, "--frames", "400", "--window", "1000", "--json")
+    assert json.loads(result.stdout)["suites"]["dmc_vision"]["window"] == [0, 400]
 
 
 def crafter_score_by_definition(rates):
