@@ -19,7 +19,9 @@ import storage
 import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "envs" / "README.md"]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "envs" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
+RUN_DOCS = [ROOT / "README.md", ROOT / "envs" / "README.md"]  # every shell command in them runs here or is marked
 
 
 def run_cli(*args, timeout=300):
@@ -211,11 +213,12 @@ def test_ci_runs_the_readmes_install_and_whole_suite():
     """.ci/run runs the README's install line and its Tests block's command, the whole suite (no -m)."""
     readme = (ROOT / "README.md").read_text()
     commands = fenced_commands(readme)
+    commands = [split_mark(command)[0] for command in commands]
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m")]
     assert ci == ["python3 -m pip install -r requirements.txt", "python3 -m pytest -q"]
     assert all(command in commands for command in ci)
-    tests = fenced_commands(readme.split("\n## Tests\n")[1].split("\n## ")[0])
-    assert tests == ["python3 -m pytest -q", 'python3 -m pytest -q -m "not slow"']
+    tests = [split_mark(c)[0] for c in fenced_commands(readme.split("\n## Tests\n")[1].split("\n## ")[0])]
+    assert tests == ["python3 -m pytest -q", 'python3 -m pytest -q -m "not slow"', "ruff check ."]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -281,5 +284,177 @@ def test_code_layout_table_names_every_top_level_module():
     table = text[text.index("## Code layout"):]
     table = table[:table.index("\n## ", 4)]
     named = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
-    modules = {p.name for p in ROOT.glob("*.py")} | {"envs/", "configs.yaml", "benchmarks/"}
+    modules = {p.name for p in ROOT.glob("*.py")} | {"envs/", "configs.yaml", "benchmarks/", "docs/"}
     assert named == modules, f"README's code layout: missing {sorted(modules - named)}, extra {sorted(named - modules)}"
+
+
+# -- the README files' commands run -------------------------------------------------------------------
+
+# What a command needs that a test cannot give it; an unmarked command runs in test_every_readme_command_runs as
+# written, a [long] training command with `debug` added and a short --steps.
+MARKS = ("[long]", "[gpu]", "[setup]", "[own install]")
+
+
+def split_mark(command):
+    """(the command without its trailing comment, its mark or None)."""
+    found = re.search(r"\s+#\s*(\[[^\]]*\])?.*$", command)
+    if not found:
+        return command.strip(), None
+    return command[:found.start()].strip(), found.group(1)
+
+
+def is_training(command):
+    return bool(re.search(r"(^|\s)(\S*dreamer\.py)(\s|$)", command))
+
+
+def readme_commands():
+    return [(doc, *split_mark(command)) for doc in RUN_DOCS for command in fenced_commands(doc.read_text())]
+
+
+def test_every_readme_command_runs_in_a_test_or_is_marked():
+    commands = readme_commands()
+    assert len(commands) >= 20
+    for doc, command, mark in commands:
+        where = f"{doc.relative_to(ROOT)}: {command}"
+        assert mark is None or mark in MARKS, f"{where}: unknown mark {mark} (valid: {', '.join(MARKS)})"
+        if mark == "[long]":
+            assert is_training(command) or command.startswith("python3 -m pytest"), \
+                f"{where}: [long] is for training commands (run here with debug) and the test suite itself"
+        if mark is None:
+            assert re.match(r"(python3 (dreamer\.py|benchmarks/\w+\.py)|torchrun) ", command), \
+                f"{where}: an unmarked command must be one the tests run (dreamer.py, torchrun, benchmarks/)"
+        # Everything a command writes goes under ./logdir (ignored by git) or /tmp: nothing in the checkout.
+        for flag in ("--logdir", "--output", "--out"):
+            for value in re.findall(rf"{flag}\s+(\S+)", command):
+                assert value.startswith(("./logdir/", "/tmp/")), f"{where}: {flag} {value} is not under ./logdir"
+    assert "logdir/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def with_debug(command, steps):
+    """A training command with `debug` stacked last and --steps cut short."""
+    words = command.split()
+    if "--configs" in words:
+        end = words.index("--configs") + 1
+        while end < len(words) and not words[end].startswith("--"):
+            end += 1
+        words.insert(end, "debug")
+    else:
+        words += ["--configs", "debug"]
+    return " ".join(words + ["--steps", str(steps)])
+
+
+def files_of_checkout():
+    skip = {".git", "logdir", "__pycache__", ".pytest_cache", ".ruff_cache", ".venv"}
+    return {str(path.relative_to(ROOT)) for path in ROOT.rglob("*")
+            if path.is_file() and not skip & set(path.relative_to(ROOT).parts)}
+
+
+@pytest.mark.slow  # trains: every training command of both README files, with debug and 200 frames
+def test_every_readme_command_runs_and_leaves_the_checkout_as_it_was(tmp_path):
+    """Each unmarked command as written and each [long] training command with `debug` and --steps 200, in the
+    files' order, from the checkout; ./logdir is moved under tmp_path, and the envs README's own environment module
+    is saved where its command looks for it. Exit 0 each, and no file of the checkout made or changed."""
+    envs_readme = (ROOT / "envs" / "README.md").read_text()
+    module = re.search(r"```python\n(# my_envs.py\n.*?)```", envs_readme, re.S).group(1)
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "my_envs.py").write_text(module)
+    before = files_of_checkout()
+    ran = []
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for doc, command, mark in readme_commands():
+        if mark is not None and not (mark == "[long]" and is_training(command)):
+            continue
+        if is_training(command):
+            command = with_debug(command, 200)
+        command = command.replace("./logdir", f"{tmp_path}/logdir").replace("~/my_envs", f"{tmp_path}/my_envs")
+        result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                                env=env)
+        assert result.returncode == 0, f"{doc.name}: {command}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+        ran.append(command)
+    assert any("dmc_walker_walk,dmc_walker_run,dmc_cheetah_run" in c and "debug" in c for c in ran)  # multi-task
+    assert any("--eval_only" in c for c in ran) and any("benchmarks/plot.py" in c for c in ran)
+    assert files_of_checkout() == before
+    assert (tmp_path / "logdir" / "smoke" / "plot.png").is_file()  # plot.py wrote beside the run, not in the cwd
+
+
+STATUS_FIELD = re.compile(r"(?:^| \| )([a-z_]+) ")
+
+
+@pytest.mark.slow  # trains: the smoke run as README shows it
+def test_the_readmes_sample_status_line_is_a_real_runs(tmp_path):
+    """README's sample status line has the fields of the smoke run's last status line, in order, and says that a
+    terminal shows a tqdm bar instead; it names the commit and date it was printed at."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("\n## Quick start\n")[1].split("\n## ")[0]
+    sample = re.search(r"```text\n(frames .*)\n```", quick).group(1)
+    assert "tqdm" in quick and re.search(r"commit [0-9a-f]{7}, \d{4}-\d{2}-\d{2}", quick)
+    smoke = next(c for doc, c, mark in readme_commands() if mark is None and "./logdir/smoke" in c and
+                 "--eval_only" not in c)
+    assert smoke == "python3 dreamer.py --configs debug --logdir ./logdir/smoke"
+    result = run_cli("--configs", "debug", "--logdir", str(tmp_path / "smoke"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = [line for line in result.stdout.splitlines() if line.startswith("frames ")][-1]
+    assert last.startswith("frames 600/600 (100.0%) | ")
+    assert STATUS_FIELD.findall(sample) == STATUS_FIELD.findall(last), (sample, last)
+
+
+def test_the_readme_is_short_and_starts_with_a_run():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("python3 dreamer.py"))
+    assert first <= 50
+
+
+def test_the_wheel_choice_is_three_commands():
+    commands = [c for _, c, mark in readme_commands() if c.startswith("python3 -m pip install torch==")]
+    assert commands == ["python3 -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+                        "python3 -m pip install torch==2.13.0",
+                        "python3 -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"]
+    pinned = re.search(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    assert all(f"torch=={pinned}" in c for c in commands)
+
+
+def test_the_readme_states_what_it_does_not_know_and_the_facts_agree_with_the_sources():
+    readme = (ROOT / "README.md").read_text()
+    clone = next(c for _, c, _ in readme_commands() if c.startswith("git clone"))
+    assert "<" not in clone and "REPOSITORY" in clone and "no public address" in readme  # a placeholder, said so
+    # The GPU visit's bugs: README and benchmarks/README count the same.
+    bench = (ROOT / "benchmarks" / "README.md").read_text()
+    visit = re.search(r"^### The first GPU visit .*?, (\w+) CUDA bugs$", bench, re.M).group(1)
+    assert visit == "two" and "found and fixed two bugs" in readme
+    # The official commit the recipe follows: configs.yaml, official.py and README name the same.
+    commit = re.search(r"at the commit the project follows \(([0-9a-f]{7})\)",
+                       (ROOT / "benchmarks" / "official.py").read_text()).group(1)
+    header = (ROOT / "configs.yaml").read_text().split("\nrecipe2024:")[0].rsplit("\n\n", 1)[1]
+    assert f"commit {commit}" in header and "HEAD" not in header
+    assert f"at commit {commit}" in readme
+    # The recipe commands' replay: the official 5e6 said beside them.
+    recipes = readme.split("\n## Two recipes\n")[1].split("```")[0]
+    assert "5e6" in recipes and "dataset_size" in recipes
+    shown = [c for _, c, _ in readme_commands()]
+    assert any("--expl_behavior plan2explore" in c for c in shown)  # Plan2Explore's flag, as a command
+    assert "ruff check ." in shown
+
+
+def test_the_envs_readme_example_environment_runs_and_shadows_nothing(tmp_path):
+    import gymnasium
+
+    text = (ROOT / "envs" / "README.md").read_text()
+    assert "Reacher-v0" not in text.replace("PointReacher-v0", "")
+    module = re.search(r"```python\n(# my_envs.py\n.*?)```", text, re.S).group(1)
+    ids = re.findall(r'gymnasium.register\("([^"]+)"', module)
+    assert ids and not set(ids) & set(gymnasium.registry), "the example registers over one of Gymnasium's own ids"
+    (tmp_path / "my_envs.py").write_text(module)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import my_envs  # noqa: F401
+        env = gymnasium.make(ids[0], disable_env_checker=True)
+        obs, _ = env.reset(seed=0)
+        assert env.observation_space.contains(obs)
+        obs, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+        assert env.observation_space.contains(obs) and reward <= 0 and not truncated
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("my_envs", None)
+        for name in ids:
+            gymnasium.registry.pop(name, None)
