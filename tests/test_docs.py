@@ -331,13 +331,17 @@ def test_every_readme_command_runs_in_a_test_or_is_marked():
 
 
 def with_debug(command, steps):
-    """A training command with `debug` stacked last and --steps cut short."""
+    """A training command with `debug` stacked last and --steps cut short, on the task the command trains
+    (`debug` names a task of its own)."""
     words = command.split()
+    if "--task" not in words:
+        words += ["--task", cfg.parse(dreamer_args(command)).task]
     if "--configs" in words:
         end = words.index("--configs") + 1
         while end < len(words) and not words[end].startswith("--"):
             end += 1
-        words.insert(end, "debug")
+        if "debug" not in words[:end]:
+            words.insert(end, "debug")
     else:
         words += ["--configs", "debug"]
     return " ".join(words + ["--steps", str(steps)])
