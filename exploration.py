@@ -14,7 +14,6 @@ import launch
 import models
 import networks
 import optim
-import precision
 
 
 class Random(nn.Module):
@@ -173,19 +172,21 @@ class Plan2Explore(nn.Module):
 
     def train_step(self, post, embed, data):
         """The ensemble's step on the posteriors post (B, T, ...) and embeddings, then its
-        actor-critic's from the same states (models.behavior_losses, as the task's), its world model
-        and ensemble frozen; its optimizers step it. Returns metrics."""
+        actor-critic's from the same states (models.loss's Imagination, as the task's, stepped as
+        models.run_update steps it), its world model and ensemble frozen. Returns metrics."""
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
-        behavior = self.behavior
+        behavior, scales = self.behavior, self.wm[0].scales
         # The actor's dynamics gradient flows through the world model and the ensemble; their
         # weights need none.
-        with models.frozen(self.wm[0], self.ensemble):
-            terms, behavior_metrics = models.behavior_losses(behavior, post, data, replay=False)
-        with models.profiled("actor_critic_backward"), precision.autocast(self.config):
-            behavior_metrics.update(models.step(self.optimizers, terms, self.wm[0].scales))
-        behavior.update_slow_critic()
-        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
+        with models.frozen(self.ensemble):
+            losses, _, _, behavior_metrics = models.run_update(
+                self.config, models.BEHAVIOR_PARTS,
+                lambda part, _: models.loss(behavior, data, part=part, post=post, replay=False),
+                lambda names, losses: {behavior.prefix + k: v for k, v in models.step(
+                    {name: self.optimizers[name] for name in names}, losses, scales).items()})
+        models.after_steps(behavior, losses, behavior_metrics)
+        metrics.update(behavior_metrics)
         metrics.update(self.reward_stats)
         return metrics
 

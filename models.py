@@ -549,22 +549,94 @@ def behavior_regions(behavior, optimizers, replay=False):
             *[(opt.opt, "step") for opt, _ in optimizers.values()], (behavior, "update_slow_critic")]
 
 
+def loss(behavior, data, start=None, part="all", post=None, replay=True):
+    """The loss as the official Agent.loss computes it, on replayed data (B, T, ...) filtered from
+    the latent `start` (None: the initial state): ({term: (B, T), repval (B, T - 1)} unscaled,
+    the posteriors (B, T, ...), the embedding, metrics). `part` (PARTS): 'all' the three parts;
+    'world_model' the first; 'behavior' Imagination and Replay from the given posteriors `post`,
+    the world model frozen (it stepped already). `replay` False leaves the replay value loss out
+    (Plan2Explore's actor-critic); it is computed only where critic.repval weighs it.
+    `behavior` is the actor-critic (the task's, or an exploration behaviour's); its metrics are
+    named with its prefix."""
+    config, wm = behavior.config, behavior.wm[0]
+    losses, metrics, embed = {}, {}, None
+    if part != "behavior":
+        # World model
+        with profiled("world_model"):
+            losses, post, embed, metrics = wm.loss(data, start)  # {term: (B, T)}
+    if part == "world_model":
+        return losses, post, embed, metrics
+    size, length = data["is_first"].shape
+    # The actor's dynamics gradient flows through the world model; its weights need none where it
+    # stepped already (update 'sequential').
+    with frozen(wm) if part == "behavior" else contextlib.nullcontext():
+        # Imagination: from every posterior state, with its continue flag.
+        starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
+        terms, returns, found = behavior.loss(starts, data["cont"].reshape(-1))
+        losses.update({k: v.unflatten(0, (size, length)) for k, v in terms.items()})  # (N,) -> (B, T)
+        # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones;
+        # under 'all' (update joint) through the posteriors' graph, training the representation too.
+        if replay and config.critic.repval:
+            feat = wm.rssm.get_feat(post)  # (B, T, F)
+            losses["repval"] = behavior.replay_loss(feat if part == "all" else feat.detach(), data,
+                                                    returns[0].detach().reshape(size, length))
+            found["critic_repval_loss"] = losses["repval"].detach().mean()
+    metrics.update({behavior.prefix + k: v for k, v in found.items()})
+    return losses, post, embed, metrics
+
+
+# update -> the parts of the loss in the order they are computed, each with the optimizers that
+# step once it is computed: 'sequential' (the paper's) steps the world model first, then imagines
+# from its posteriors with its weights frozen; 'joint' (the 2024 recipe's) computes every part at
+# the same parameters and steps one optimizer on their sum.
+PARTS = {"sequential": (("world_model", ("model",)), ("behavior", ("actor", "critic"))),
+         "joint": (("all", ("joint",)),)}
+BEHAVIOR_PARTS = (("behavior", ("actor", "critic")),)  # an actor-critic with optimizers of its own
+
+
+def run_update(config, parts, compute, apply, check=None):
+    """The one order of every update (the task's Update, Plan2Explore's actor-critic and every
+    seed's in seeds.BatchedUpdate): for each (part, optimizer names) of `parts` (PARTS),
+    compute(part, post) -> (terms, post, embed, metrics) from the last part's posteriors, then
+    apply(names, losses) -> metrics steps those optimizers on the terms so far; check(losses) runs
+    before the last step. Returns (losses, post, embed, metrics)."""
+    losses, metrics, post, embed = {}, {}, None, None
+    with precision.autocast(config):
+        for i, (part, names) in enumerate(parts):
+            terms, post, found, part_metrics = compute(part, post)
+            embed = embed if found is None else found
+            losses.update(terms)
+            metrics.update(part_metrics)
+            if check is not None and i == len(parts) - 1:
+                check(losses)
+            with profiled("backward"):
+                metrics.update(apply(names, losses))
+    return losses, post, embed, metrics
+
+
+def after_steps(behavior, losses, metrics, shares=False):
+    """What an update does after its steps: the slow critic's EMA; with `shares` (update 'joint')
+    each network's share of the one loss, logged as the sequential update logs it."""
+    behavior.update_slow_critic()
+    if shares:
+        scales = behavior.wm[0].scales
+        for name in ("model", "actor", "critic"):
+            metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms_of(name, scales)).detach()
+
+
 class Update:
-    """One update of every learner on a replayed batch, as the official Agent.loss reads:
-    `train_step` in three parts, # World model, # Imagination and # Replay, whose terms are
-    checked against the one table of loss scales (loss_scales) and their (B, T) shape, scaled and
-    summed; then the exploration behaviour's own learners (Plan2Explore) from the same posteriors.
-    The update mode (config.update, UPDATES) decides only which optimizers step the terms: one
-    per network for 'sequential' (the paper's order: the world model steps first, and imagination
-    starts from its posteriors with its weights frozen), one for all for 'joint' (every term at
-    the same parameters, the replay value loss training the representation too).
-    """
+    """One update of every learner on a replayed batch: `loss` in its parts (PARTS[config.update]),
+    each part's optimizers stepped once it is computed (run_update), the terms checked against the
+    one table of loss scales and their shapes before the last step; then the exploration
+    behaviour's own learners (Plan2Explore) from the same posteriors. The update mode decides only
+    the parts and the optimizers (UPDATES): one per network for 'sequential', one for all for
+    'joint' (every term at the same parameters, the replay value loss training the representation
+    too)."""
 
     def __init__(self, config, world_model, behavior, context, exploration=None):
         self.config, self.wm, self.behavior = config, world_model, behavior
         self.context, self.exploration = context, exploration  # ReplayContext; None, or exploration.py's
         self.optimizers = UPDATES[config.update](config, world_model, behavior)  # {name: (Optimizer, terms)}
-        self.sequential = "model" in self.optimizers
 
     def regions(self):
         """What compile 'update' compiles whole: the three parts' losses, every optimizer's step and
@@ -579,57 +651,18 @@ class Update:
         (ReplayContext.write_back); with K = 0, None."""
         config, wm, behavior, scales = self.config, self.wm, self.behavior, self.wm.scales
         data = wm.preprocess(batch if data is None else data)
-        latent, data = self.context.split(data)  # the stored start latent (None: the initial state)
+        start, data = self.context.split(data)  # the stored start latent (None: the initial state)
         size, length = data["is_first"].shape
-        losses = {}
-        with precision.autocast(config):
-            # World model
-            with profiled("world_model"):
-                terms, post, embed, metrics = wm.loss(data, latent)  # {term: (B, T)}
-            losses.update(terms)
-            if self.sequential:  # the paper's order: the world model learns first, alone
-                metrics.update(step({"model": self.optimizers["model"]}, losses, scales))
-            # Imagination, then Replay (behavior_losses, which exploration behaviours share). The
-            # actor's dynamics gradient flows through the world model; its weights need none where
-            # it stepped already.
-            with frozen(wm) if self.sequential else contextlib.nullcontext():
-                terms, behavior_metrics = behavior_losses(behavior, post, data, bool(config.critic.repval),
-                                                          replay_graph=not self.sequential)
-            losses.update(terms)
-            check_terms(losses, scales, self.optimizers, size, length)
-            rest = {name: group for name, group in self.optimizers.items() if name != "model"}
-            with profiled("backward"):
-                metrics.update(step(rest, losses, scales))
-        behavior.update_slow_critic()
-        if not self.sequential:  # each network's share of the one loss, as the sequential update logs it
-            for name in ("model", "actor", "critic"):
-                metrics[f"{name}_loss"] = scaled_sum(losses, scales, terms_of(name, scales)).detach()
-        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
+        losses, post, embed, metrics = run_update(
+            config, PARTS[config.update],
+            lambda part, post: loss(behavior, data, start, part, post),
+            lambda names, losses: step({name: self.optimizers[name] for name in names}, losses, scales),
+            lambda losses: check_terms(losses, scales, self.optimizers, size, length))
+        after_steps(behavior, losses, metrics, shares=config.update == "joint")
         post = {k: v.detach() for k, v in post.items()}
         if self.exploration is not None:  # its own learners, from the same posteriors (B, T, ...)
             metrics.update(self.exploration.train_step(post, embed.detach(), data))
         return metrics, self.context.latents(post)
-
-
-def behavior_losses(behavior, post, data, replay, replay_graph=False):
-    """The Imagination and Replay parts of the loss for an actor-critic (the task's, or an
-    exploration behaviour's): imagine from every posterior state post (B, T, ...) with its continue
-    flag, and with `replay` also the replay value loss on the replayed sequences, bootstrapped from
-    the imagined returns (its features keep their graph with `replay_graph`: under 'joint' the loss
-    trains the representation too). Returns ({term: (B, T), repval (B, T - 1)}, metrics); the
-    caller steps the terms with its optimizers."""
-    size, length = data["is_first"].shape
-    # Imagination: from every posterior state, with its continue flag.
-    starts = {k: v.detach().reshape(size * length, *v.shape[2:]) for k, v in post.items()}
-    terms, returns, metrics = behavior.loss(starts, data["cont"].reshape(-1))
-    losses = {k: v.unflatten(0, (size, length)) for k, v in terms.items()}  # (N,) -> (B, T)
-    # Replay: the critic also learns the replayed returns, bootstrapped from the imagined ones.
-    if replay:
-        feat = behavior.wm[0].rssm.get_feat(post)  # (B, T, F)
-        losses["repval"] = behavior.replay_loss(feat if replay_graph else feat.detach(), data,
-                                                returns[0].detach().reshape(size, length))
-        metrics["critic_repval_loss"] = losses["repval"].detach().mean()
-    return losses, metrics
 
 
 # ==================================================================================================

@@ -249,13 +249,8 @@ def project_losses(agent, batch, start):
     """The loss terms {term: (B, T) or (B, T-1)} of models.Update.train_step under update 'joint'."""
     import models
 
-    wm = agent.wm
-    data = wm.preprocess(batch)
-    losses, post, _, _ = wm.loss(data, start)
-    terms, _ = models.behavior_losses(agent.task_behavior, post, data, bool(agent.config.critic.repval),
-                                      replay_graph=True)
-    losses.update(terms)
-    return losses
+    data = agent.wm.preprocess(batch)
+    return models.loss(agent.task_behavior, data, start)[0]
 
 
 def project_side(agent, batch, start, seeds):

@@ -795,12 +795,11 @@ def capture_actor_loss(ac, wm):
 
 def behavior_update(config, wm, ac, start, start_cont):
     """One step of an actor-critic with optimizers of its own, as Plan2Explore steps its: its terms
-    from the start states (N, ...) taken as one sequence (models.behavior_losses), the world model
+    from the start states (N, ...) taken as one sequence (models.loss's Imagination), the world model
     frozen; returns the metrics."""
     post = {k: v[None] for k, v in start.items()}
     data = {"is_first": torch.zeros(1, len(start_cont)), "cont": start_cont[None]}
-    with models.frozen(wm):
-        terms, metrics = models.behavior_losses(ac, post, data, replay=False)
+    terms, _, _, metrics = models.loss(ac, data, part="behavior", post=post, replay=False)
     metrics.update(models.step(models.behavior_optimizers(config, ac), terms, wm.scales))
     ac.update_slow_critic()
     return metrics
