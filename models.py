@@ -46,9 +46,6 @@ def profiled(name):
     return torch.profiler.record_function(name)
 
 
-VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
-
-
 
 # ==================================================================================================
 # 1. World model
@@ -91,7 +88,22 @@ def terms_of(optimizer, scales):
 
 
 class WorldModel(nn.Module):
-    """Encoder, RSSM and prediction heads (decoder, reward, continue), trained on replayed sequences."""
+    """Encoder, RSSM and prediction heads (decoder, reward, continue), trained on replayed sequences.
+
+    A head is a row of HEADS (its network, from the feature size, the observation space and the
+    config) and one of HEAD_LOSSES (its loss terms); each term is a row of LOSS_TERMS. Every head
+    trains the representation, as in the official code, unless named in stop_grad_heads."""
+
+    HEADS = {
+        "decoder": lambda feat, obs_space, config: networks.MultiDecoder(feat, obs_space, config.decoder,
+                                                                        config.dyn_deter),
+        "reward": lambda feat, obs_space, config: networks.Head(
+            feat, (), config.reward_head.layers, config.units, config.act, config.norm, config.reward_head.dist,
+            config.reward_head.outscale),
+        "cont": lambda feat, obs_space, config: networks.Head(
+            feat, (1,), config.cont_head.layers, config.units, config.act, config.norm, "binary",
+            config.cont_head.outscale),
+    }
 
     def __init__(self, obs_space, act_space, config):
         super().__init__()
@@ -99,16 +111,10 @@ class WorldModel(nn.Module):
         self.encoder = networks.MultiEncoder(obs_space, config.encoder)
         self.rssm = networks.RSSM(config, self.encoder.outdim, act_space.shape[0])
         feat = self.rssm.feat_size
-        self.heads = nn.ModuleDict({
-            "decoder": networks.MultiDecoder(feat, obs_space, config.decoder, config.dyn_deter),
-            "reward": networks.Head(feat, (), config.reward_head.layers, config.units, config.act, config.norm,
-                                    config.reward_head.dist, config.reward_head.outscale),
-            "cont": networks.Head(feat, (1,), config.cont_head.layers, config.units, config.act, config.norm,
-                                  "binary", config.cont_head.outscale),
-        })
-        for name in config.grad_heads:
+        self.heads = nn.ModuleDict({name: build(feat, obs_space, config) for name, build in self.HEADS.items()})
+        for name in config.stop_grad_heads:
             if name not in self.heads:
-                raise tools.ConfigError(f"Unknown grad_heads entry '{name}'; valid: {', '.join(self.heads)}")
+                raise tools.ConfigError(f"Invalid value '{name}' for --stop_grad_heads; valid: {', '.join(self.heads)}")
         unknown = [name for name in self.heads if name not in self.HEAD_LOSSES]
         if unknown:
             raise ValueError(f"World-model head '{unknown[0]}' has no loss in WorldModel.HEAD_LOSSES; "
@@ -148,7 +154,7 @@ class WorldModel(nn.Module):
         feat = self.rssm.get_feat(post)  # (B, T, F)
         losses = {}  # term: (B, T)
         for name, head in self.heads.items():
-            pred = head(feat if name in config.grad_heads else feat.detach())
+            pred = head(feat.detach() if name in config.stop_grad_heads else feat)
             losses.update(self.HEAD_LOSSES[name](self, pred, data))
         metrics = {f"{k}_loss": (v * scales[k]).detach().mean() for k, v in losses.items()}
         losses["dyn"], losses["rep"], dyn, rep = self.rssm.kl_loss(post, prior, config.kl_free)
@@ -391,11 +397,9 @@ class ActorCritic(nn.Module):
             loss = dynamics
         elif config.imag_gradient == "reinforce":
             loss = reinforce
-        elif config.imag_gradient == "both":
+        else:  # both (its 'auto' is settled by compilation.resolve_auto before anything is built)
             mix = config.imag_gradient_mix
             loss = mix * dynamics + (1 - mix) * reinforce
-        else:  # 'auto' is settled by resolve_auto before anything is built
-            raise ValueError(f"imag_gradient '{config.imag_gradient}' reached the actor loss unsettled")
         entropy = policy.entropy()
         loss = loss - config.actor.entropy * entropy
         metrics = {"actor_entropy": entropy.detach().mean(), "return_scale": scale.detach(),

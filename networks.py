@@ -77,17 +77,6 @@ def reinit(module, winit):
 NORMS = ("layer", "rms", "none")
 
 
-def norm_kind(norm):
-    """'layer', 'rms' or 'none'; True and False, the older spelling, mean 'layer' and 'none'."""
-    if norm is True:
-        return "layer"
-    if norm is False or norm is None:
-        return "none"
-    if norm not in NORMS:
-        raise ValueError(f"Unknown norm '{norm}'; valid: {', '.join(NORMS)}")
-    return norm
-
-
 class RMSNorm(nn.Module):
     """Scale-only RMS normalisation of the last dim (the 2024 recipe): x / sqrt(mean(x^2) + eps) * scale."""
 
@@ -117,7 +106,7 @@ class LayerNorm(nn.LayerNorm):
 def make_norm(norm, size):
     """The normalisation layer of `norm` over the last dim, or None. LayerNorm keeps the paper's
     eps 1e-3 and RMSNorm the 2024 recipe's 1e-4."""
-    kind = norm_kind(norm)
+    kind = norm
     if kind == "layer":
         return LayerNorm(size, eps=1e-3)
     if kind == "rms":
@@ -127,7 +116,7 @@ def make_norm(norm, size):
 
 def has_bias(norm):
     """A layer followed by LayerNorm needs no bias (the norm removes the mean); RMSNorm keeps it."""
-    return norm_kind(norm) != "layer"
+    return norm != "layer"
 
 
 def dense(inp, out, act, norm):
@@ -186,11 +175,10 @@ class Head(nn.Module):
     """
 
     DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse", "mse", "binary")
+    VALUE_DISTS = DISTS[:3]  # of the reward and critic heads (config's reward_head.dist and critic.dist)
 
     def __init__(self, inp, shape, layers, units, act, norm, dist, outscale=1.0, bins=255):
         super().__init__()
-        if dist not in self.DISTS:
-            raise ValueError(f"Unknown head dist '{dist}'; valid: {', '.join(self.DISTS)}")
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
@@ -267,7 +255,7 @@ class ChannelRMSNorm(RMSNorm):
 
 def channel_norm(norm, channels):
     """The normalisation layer of `norm` over the channels of an NCHW tensor, or None."""
-    kind = norm_kind(norm)
+    kind = norm
     if kind == "layer":
         return ChannelNorm(channels, eps=1e-3)
     if kind == "rms":

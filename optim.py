@@ -34,11 +34,7 @@ class ClippedOptimizer(torch.optim.Optimizer):
         return dict(self.__dict__)
 
     def load_state_dict(self, state_dict):
-        """Also a torch.optim.Adam state: its per-parameter step counts give the count."""
         super().load_state_dict(state_dict)
-        steps = [float(state.pop("step")) for state in self.state.values() if "step" in state]
-        if steps:
-            self.updates = torch.tensor(int(max(steps)))
         self.ready = False
 
     def init_state(self):
@@ -177,7 +173,7 @@ class Optimizer:
 
     def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False, agc=0.0,
                  warmup=0):
-        self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
+        self.name, self.clip, self.agc, self.warmup = name, clip, agc, warmup
         self.params = [p for p in params if p.requires_grad]
         self.opt = OPTIMIZERS[opt](self.params, lr, eps, (0.9, 0.999), weight_decay, clip, agc, warmup)
         self.scaler = torch.amp.GradScaler(enabled=use_scaler)
@@ -202,8 +198,7 @@ class Optimizer:
         return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": self.opt.grad_norm.clone()}
 
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates,
-                "base_lr": self.lr}
+        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state):
         """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
@@ -212,12 +207,9 @@ class Optimizer:
         settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
         self.opt.load_state_dict(state["opt"])
         self.scaler.load_state_dict(state["scaler"])
-        if "updates" in state:  # checkpoints from before the warm-up have none (the moments' step counts serve)
-            self.opt.updates = torch.tensor(state["updates"])
+        self.opt.updates = torch.tensor(state["updates"])
         changes = []
         for group, current in zip(self.opt.param_groups, settings):
-            if "base_lr" in state:  # older checkpoints saved a ramped rate mid warm-up: compare the target
-                group["lr"] = state["base_lr"]
             for key, value in current.items():
                 if group[key] != value:
                     changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")

@@ -255,8 +255,8 @@ def kl_case(spaces, reference, dyn_scale, rep_scale, free):
     """World-model loss of one step (T = 1) from a zero initial state, the heads kept off the
     representation: the prior's output layers then learn only from the dyn term, the posterior's
     and the encoder only from the rep term."""
-    agent, _ = make_agent(spaces, "--initial", "zeros", "--grad_heads", "", "--dyn_scale", str(dyn_scale),
-                          "--rep_scale", str(rep_scale), "--kl_free", str(free))
+    agent, _ = make_agent(spaces, "--initial", "zeros", "--stop_grad_heads", "decoder,reward,cont",
+                          "--dyn_scale", str(dyn_scale), "--rep_scale", str(rep_scale), "--kl_free", str(free))
     agent.load_state_dict(reference.state_dict())
     wm = agent.wm
     data = wm.preprocess(fake_batch(spaces, batch=8, length=1, seed=5))

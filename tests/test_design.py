@@ -416,15 +416,6 @@ def test_the_encoder_and_decoder_activations_are_validated(key, value):
         cfg.parse(["--configs", "debug", f"--{key}", value])
 
 
-def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
-    agent, env = make_agent()
-    behavior = agent.task_behavior
-    behavior.config = behavior.config.replace(imag_gradient="bogus")
-    start = agent.wm.rssm.initial(4)
-    with pytest.raises(ValueError, match="imag_gradient 'bogus' reached the actor loss unsettled"):
-        behavior.loss(start, torch.ones(4))
-
-
 def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total():
     """Updates owed = steps x train_ratio / replayed steps per update: the loop's schedule and the
     run's total (the summary's and the resource sizing's) give the same counts."""
