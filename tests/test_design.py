@@ -208,10 +208,11 @@ def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
         assert calls == ["world model", "imagination", "replay", "check", "step"]
 
 
-def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
+def test_the_world_model_loss_is_reached_from_main_through_the_one_update(tmp_path, monkeypatch):
     """A reader follows main -> run_processes -> Trainer.train, whose loop reads inline (the
-    pretraining is one call deeper) -> Trainer.update -> models.Update.train_step -> WorldModel.loss:
-    recorded from a real run, in the pretraining and in the synchronous loop."""
+    pretraining is one call deeper) -> Trainer.update -> models.Update.train_step -> run_update (the
+    one order of every update) -> models.loss -> WorldModel.loss: recorded from a real run, in the
+    pretraining and in the synchronous loop."""
     import sys
 
     chains, loss = [], models.WorldModel.loss
@@ -229,8 +230,9 @@ def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
                   "--eval_episode_num", "0", "--video_pred_log", "False", "--compile", "False",
                   "--logdir", str(tmp_path / "run")])
     assert len(chains) >= 2
-    loop = ["run_processes", "Trainer.train", "Trainer.update", "Update.train_step"]
-    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", "Update.train_step"]
+    update = ["Update.train_step", "run_update", "Update.train_step.<locals>.<lambda>", "loss"]
+    loop = ["run_processes", "Trainer.train", "Trainer.update", *update]
+    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", *update]
     assert chains[0] == pretrain, chains[0]
     assert all(chain == loop for chain in chains[1:]), chains
 
