@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+import compilation
 import config as cfg
 import dreamer
 import envs
 import exploration
 import models
 import networks
+import optim
 import storage
 import tools
 
@@ -197,7 +199,7 @@ def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
     recorded(models.ActorCritic, "loss", "imagination")
     recorded(models.ActorCritic, "replay_loss", "replay")
     recorded(models, "check_terms", "check")
-    recorded(models, "optimize", "step")
+    recorded(optim, "optimize", "step")
     agent, env = make_agent("--update", update, "--imag_gradient", "reinforce", "--critic.repval", "0.3")
     agent.update.train_step(batch_for(agent, env))
     if update == "sequential":  # the world model steps first, alone (the paper's order)
@@ -206,10 +208,11 @@ def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
         assert calls == ["world model", "imagination", "replay", "check", "step"]
 
 
-def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
+def test_the_world_model_loss_is_reached_from_main_through_the_one_update(tmp_path, monkeypatch):
     """A reader follows main -> run_processes -> Trainer.train, whose loop reads inline (the
-    pretraining is one call deeper) -> Trainer.update -> models.Update.train_step -> WorldModel.loss:
-    recorded from a real run, in the pretraining and in the synchronous loop."""
+    pretraining is one call deeper) -> Trainer.update -> models.Update.train_step -> run_update (the
+    one order of every update) -> models.loss -> WorldModel.loss: recorded from a real run, in the
+    pretraining and in the synchronous loop."""
     import sys
 
     chains, loss = [], models.WorldModel.loss
@@ -227,8 +230,9 @@ def test_the_world_model_loss_is_six_calls_from_main(tmp_path, monkeypatch):
                   "--eval_episode_num", "0", "--video_pred_log", "False", "--compile", "False",
                   "--logdir", str(tmp_path / "run")])
     assert len(chains) >= 2
-    loop = ["run_processes", "Trainer.train", "Trainer.update", "Update.train_step"]
-    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", "Update.train_step"]
+    update = ["Update.train_step", "run_update", "Update.train_step.<locals>.<lambda>", "loss"]
+    loop = ["run_processes", "Trainer.train", "Trainer.update", *update]
+    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", *update]
     assert chains[0] == pretrain, chains[0]
     assert all(chain == loop for chain in chains[1:]), chains
 
@@ -330,11 +334,11 @@ def test_the_settled_config_is_read_only():
 def test_auto_keys_are_settled_once_into_a_new_config():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--compile", "auto"])
     env = envs.make_env(config, "train", 0)
-    settled, resolved = models.resolve_auto(config, env.act_space)
+    settled, resolved = compilation.resolve_auto(config, env.act_space)
     assert set(resolved) == {"actor.dist", "imag_gradient", "compile"}
     assert (settled.actor.dist, settled.imag_gradient, settled.compile) == ("normal", "dynamics", False)
     assert config.actor.dist == "auto"  # parse's config stays as it was
-    again, resolved = models.resolve_auto(settled, env.act_space)
+    again, resolved = compilation.resolve_auto(settled, env.act_space)
     assert again is settled and resolved == {}  # a settled config settles to itself
     agent = dreamer.Dreamer(env.obs_space, env.act_space, settled)
     assert agent.config is settled
@@ -344,7 +348,7 @@ def test_a_normal_actor_refuses_std_none():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--actor.std", "none"])
     env = envs.make_env(config, "train", 0)
     with pytest.raises(tools.ConfigError, match="Invalid value 'none' for --actor.std"):
-        models.resolve_auto(config, env.act_space)
+        compilation.resolve_auto(config, env.act_space)
 
 
 # Each key whose value a module dispatches on, and the table it dispatches with: the schema's
@@ -353,8 +357,8 @@ def test_a_normal_actor_refuses_std_none():
 DISPATCH = {
     "act": networks.ACTIVATIONS, "encoder.act": networks.ACTIVATIONS, "decoder.act": networks.ACTIVATIONS,
     "dyn_std_act": networks.STD_ACTS, "encoder.cnn": networks.IMAGE_ENCODERS,
-    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": models.OPTIMIZERS,
-    "update": models.UPDATES, "compile": models.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
+    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": optim.OPTIMIZERS,
+    "update": models.UPDATES, "compile": compilation.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
     "disag_target": exploration.Plan2Explore.TARGETS, "prefill_policy": dreamer.PREFILLS,
 }
 
@@ -412,15 +416,6 @@ def test_keys_free_on_resume_change_silently_and_others_warn(tmp_path):
 def test_the_encoder_and_decoder_activations_are_validated(key, value):
     with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
         cfg.parse(["--configs", "debug", f"--{key}", value])
-
-
-def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
-    agent, env = make_agent()
-    behavior = agent.task_behavior
-    behavior.config = behavior.config.replace(imag_gradient="bogus")
-    start = agent.wm.rssm.initial(4)
-    with pytest.raises(ValueError, match="imag_gradient 'bogus' reached the actor loss unsettled"):
-        behavior.loss(start, torch.ones(4))
 
 
 def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total():
