@@ -1,30 +1,38 @@
-"""Mutation battery: does the fast test tier fail when the learner is broken?
+"""Mutation battery: does a test that compares the product with an independent reference fail when the
+learner is broken?
 
     python3 benchmarks/mutations.py [--list] [--only critic_no_grad,entropy_sign] [--pytest-args "-k train"] \\
-        [--keep] [--out FILE] [--jobs N]
+        [--keep] [--out FILE] [--jobs N] [--fast-tier]
 
 Each mutation (MUTATIONS below) is a small, named source change that models a slip a researcher could
 make: one or more edits, each an exact old text of a file (relative to the repository root) and the
-text that replaces it. Every run makes a fresh copy of the repository's files (as .ci/run selects them:
-`git ls-files -z -co --exclude-standard`, tracked files deleted in the working tree skipped) as the only
-entry of an empty temporary folder, applies the mutation there (never in the checkout) and runs the
-fast tier in it:
+text that replaces it, and `caught_by`, the reference tests that must catch it (pytest node ids; for the update's
+slips the tests of tests/test_reference.py, which compare one update of each recipe with tests/reference.py, the
+update written out with no product helper). Every run makes a fresh copy of the repository's files (as .ci/run
+selects them: `git ls-files -z -co --exclude-standard`, tracked files deleted in the working tree skipped) as the
+only entry of an empty temporary folder, applies the mutation there (never in the checkout) and runs its
+reference tests there, all of them, in the fast tier:
+
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider TESTS
+
+(with the interpreter that runs the battery; a named test that is slow is deselected, no test runs, and the
+mutation is an ERROR: the reference tests must be fast). `--fast-tier` runs the whole fast tier instead, as the
+battery did before the reference tests existed:
 
     python3 -m pytest -q -m "not slow" -x -p no:cacheprovider --ignore=tests/test_mutations.py
 
-(with the interpreter that runs the battery; `-x`: it stops at the first failing test; `--pytest-args`
-adds arguments, `--pytest-args=-x` for one that starts with a dash and has no space). The battery's own
-tests (tests/test_mutations.py) are left out: one of them checks that every mutation's old text occurs
-in the checkout, which a mutated copy fails by construction. The environment is the caller's, with
-OMP_NUM_THREADS=1 and MUJOCO_GL=egl unless set. The first failing test and its failure line are read
-from pytest's JUnit XML report (`--junitxml`, xunit1, written outside the copy), not from its terminal
-output.
+(`-x`: it stops at the first failing test; the battery's own tests are left out: one of them, in the slow tier,
+checks that every mutation's old text occurs in the checkout, which a mutated copy fails by construction).
+`--pytest-args` adds arguments, `--pytest-args=-x` for one that starts with a dash and has no space. The
+environment is the caller's, with OMP_NUM_THREADS=1 and MUJOCO_GL=egl unless set. The first failing test and its
+failure line are read from pytest's JUnit XML report (`--junitxml`, xunit1, written outside the copy), not from
+its terminal output.
 
-The clean copy (no mutation) runs first and must pass: if it fails, the battery says so and stops
-(exit 1). Then each mutation is reported as `caught` (a test failed or errored: its id and failure
-line), `caught (collection error)` (the copy does not even import or collect: weak, since any
-syntax slip would do the same; a mutation should be a behaviour change that still imports), `ESCAPED`
-(every fast test passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
+The clean copy (no mutation) runs first, with the reference tests of every mutation run (or the fast tier),
+and must pass: if it fails, the battery says so and stops (exit 1). Then each mutation is reported as `caught` (a
+test failed or errored: its id and failure line), `caught (collection error)` (the copy does not even import or
+collect: weak, since any syntax slip would do the same; a mutation should be a behaviour change that still
+imports), `ESCAPED` (every test run passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
 a crash; counted as not caught). The last line gives the totals and the seconds of the whole battery.
 `--jobs N` runs N mutations at once (after the clean copy, which runs alone), each pytest process at one
 thread; the report keeps the table's order. `--out FILE` also writes the report as a markdown table;
