@@ -471,7 +471,8 @@ def run_tests(copy, junit, log, extra=(), targets=None):
         result["status"] = "passed"
     elif code == 1 and first is not None and first[0] != "collection":
         result.update(status="failed", test=first[1], line=first[2])
-    elif code == 2 and first is not None and first[0] == "collection":
+    # A module that does not import: exit 2, or 4 when a node id of it was named (pytest finds no collectors).
+    elif code in (2, 4) and first is not None and first[0] == "collection":
         result.update(status="collection", test=first[1], line=first[2])
     else:
         result.update(status="error", line=f"pytest exit {code}: {output_tail(log)}")
