@@ -443,8 +443,9 @@ def update(agent, batch, norm_state=None):
         clipped, metrics["update_grad_norm"] = clip_and_step(params, found, config.model_lr, config.opt_eps,
                                                              config.grad_clip, config)
         grads.update(zip([n for n, g in zip(names, found) if g is not None], clipped))
-    with torch.no_grad():  # the slow critic's EMA (every slow_target_update updates, the first included)
-        mix = config.critic.slow_target_fraction
+    with torch.no_grad():  # the slow critic's EMA every slow_target_update updates, counted from 0
+        every = config.critic.slow_target_update
+        mix = config.critic.slow_target_fraction if int(ac.updates) % every == 0 else 0.0
         for slow, fast in zip(ac.slow_critic.parameters(), ac.critic.parameters()):
             slow.copy_((1 - mix) * slow + mix * fast)
     metrics = {k: float(v.detach()) for k, v in metrics.items()}
