@@ -13,6 +13,7 @@ import distributions
 import launch
 import models
 import networks
+import optim
 
 
 class Random(nn.Module):
@@ -90,9 +91,9 @@ class Plan2Explore(nn.Module):
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
                                  config.disag_units, config.act)
-        self.optimizer = models.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
-                                          config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
-                                          warmup=config.warmup)
+        self.optimizer = optim.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
+                                         config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
+                                         warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
         self.optimizers = models.behavior_optimizers(config, self.behavior)  # {name: (Optimizer, terms)}
         self.reward_stats = {}
@@ -164,26 +165,28 @@ class Plan2Explore(nn.Module):
         return (error * valid.reshape(-1)).sum() / count.clamp(min=1)
 
     def regions(self):
-        """What compile 'update' compiles whole (models.compile_update): the ensemble's loss and
+        """What compile 'update' compiles whole (compilation.compile_update): the ensemble's loss and
         optimizer step, and the exploration actor-critic's (models.behavior_regions)."""
         return [(self, "ensemble_loss"), (self.optimizer.opt, "step"),
                 *models.behavior_regions(self.behavior, self.optimizers)]
 
     def train_step(self, post, embed, data):
         """The ensemble's step on the posteriors post (B, T, ...) and embeddings, then its
-        actor-critic's from the same states (models.behavior_losses, as the task's), its world model
-        and ensemble frozen; its optimizers step it. Returns metrics."""
+        actor-critic's from the same states (models.loss's Imagination, as the task's, stepped as
+        models.run_update steps it), its world model and ensemble frozen. Returns metrics."""
         loss = self.ensemble_loss(post, embed, data["action"], data["is_first"])
         metrics = self.optimizer(loss)
-        behavior = self.behavior
+        behavior, scales = self.behavior, self.wm[0].scales
         # The actor's dynamics gradient flows through the world model and the ensemble; their
         # weights need none.
-        with models.frozen(self.wm[0], self.ensemble):
-            terms, behavior_metrics = models.behavior_losses(behavior, post, data, replay=False)
-        with models.profiled("actor_critic_backward"), models.autocast(self.config):
-            behavior_metrics.update(models.step(self.optimizers, terms, self.wm[0].scales))
-        behavior.update_slow_critic()
-        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
+        with models.frozen(self.ensemble):
+            losses, _, _, behavior_metrics = models.run_update(
+                self.config, models.BEHAVIOR_PARTS,
+                lambda part, _: models.loss(behavior, data, part=part, post=post, replay=False),
+                lambda names, losses: {behavior.prefix + k: v for k, v in models.step(
+                    {name: self.optimizers[name] for name in names}, losses, scales).items()})
+        models.after_steps(behavior, losses, behavior_metrics)
+        metrics.update(behavior_metrics)
         metrics.update(self.reward_stats)
         return metrics
 

@@ -1,6 +1,5 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
-import contextlib
 import math
 import threading
 
@@ -14,59 +13,13 @@ import tools
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
 
 
-_layout = threading.local()
+layout = threading.local()  # `vmapped` True on a thread inside torch.func.vmap (set by seeds.vmapped)
 
 
 def image_layout():
     """The memory format of conv activations: channels_last, which oneDNN and cuDNN run fastest,
     except inside torch.func.vmap (seeds.py's batched update), which cannot query it."""
-    return torch.contiguous_format if getattr(_layout, "vmapped", False) else torch.channels_last
-
-
-@contextlib.contextmanager
-def vmapped():
-    """The block runs inside torch.func.vmap on this thread (see image_layout)."""
-    before = getattr(_layout, "vmapped", False)
-    _layout.vmapped = True
-    try:
-        yield
-    finally:
-        _layout.vmapped = before
-
-
-class CompileError(RuntimeError):
-    """A function that compile asked for cannot be compiled: the message names it and the
-    fallbacks. The one compile-failure policy, of `compile True` (Compiled) and `compile update`
-    (models.Region) alike: what was asked to compile never runs eagerly instead."""
-
-
-# A compiler failure (no C++ compiler, an unsupported operator, a graph break where one graph is
-# required) or more variants than dynamo's recompile limit (past which it would run eagerly).
-COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
-
-
-def compile_failure(mode, name, error, fallbacks, how=""):
-    """The CompileError for `error` raised while compiling `name` (`how`: as one graph) under compile `mode`."""
-    reason = " ".join(str(error).split())[:200] or type(error).__name__
-    return CompileError(f"compile {mode}: {name} cannot be compiled{how} ({reason}); {fallbacks}")
-
-
-class Compiled:
-    """torch.compile(fn), for `compile True`. Where compilation fails it is a CompileError naming
-    the function (COMPILE_FAILURES); any other error is fn's own and keeps its traceback."""
-
-    def __init__(self, fn, name):
-        self.eager, self.name = fn, name
-        self.compiled = torch.compile(fn)
-        self.calls = 0  # calls that ran the compiled code
-
-    def __call__(self, *args, **kwargs):
-        try:
-            result = self.compiled(*args, **kwargs)
-        except COMPILE_FAILURES as e:
-            raise compile_failure("True", self.name, e, "--compile False runs eagerly") from e
-        self.calls += 1
-        return result
+    return torch.contiguous_format if getattr(layout, "vmapped", False) else torch.channels_last
 
 
 def init_(module, scale=1.0, fan="avg"):
@@ -124,17 +77,6 @@ def reinit(module, winit):
 NORMS = ("layer", "rms", "none")
 
 
-def norm_kind(norm):
-    """'layer', 'rms' or 'none'; True and False, the older spelling, mean 'layer' and 'none'."""
-    if norm is True:
-        return "layer"
-    if norm is False or norm is None:
-        return "none"
-    if norm not in NORMS:
-        raise ValueError(f"Unknown norm '{norm}'; valid: {', '.join(NORMS)}")
-    return norm
-
-
 class RMSNorm(nn.Module):
     """Scale-only RMS normalisation of the last dim (the 2024 recipe): x / sqrt(mean(x^2) + eps) * scale."""
 
@@ -164,7 +106,7 @@ class LayerNorm(nn.LayerNorm):
 def make_norm(norm, size):
     """The normalisation layer of `norm` over the last dim, or None. LayerNorm keeps the paper's
     eps 1e-3 and RMSNorm the 2024 recipe's 1e-4."""
-    kind = norm_kind(norm)
+    kind = norm
     if kind == "layer":
         return LayerNorm(size, eps=1e-3)
     if kind == "rms":
@@ -174,7 +116,7 @@ def make_norm(norm, size):
 
 def has_bias(norm):
     """A layer followed by LayerNorm needs no bias (the norm removes the mean); RMSNorm keeps it."""
-    return norm_kind(norm) != "layer"
+    return norm != "layer"
 
 
 def dense(inp, out, act, norm):
@@ -233,11 +175,10 @@ class Head(nn.Module):
     """
 
     DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse", "mse", "binary")
+    VALUE_DISTS = DISTS[:3]  # of the reward and critic heads (config's reward_head.dist and critic.dist)
 
     def __init__(self, inp, shape, layers, units, act, norm, dist, outscale=1.0, bins=255):
         super().__init__()
-        if dist not in self.DISTS:
-            raise ValueError(f"Unknown head dist '{dist}'; valid: {', '.join(self.DISTS)}")
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
@@ -269,7 +210,7 @@ class Actor(nn.Module):
     def __init__(self, inp, actions, config, units, act, norm):  # config: the actor group
         super().__init__()
         self.kind = config.dist
-        if self.kind not in ACTOR_DISTS:  # 'auto' is settled before any network is built (models.resolve_auto)
+        if self.kind not in ACTOR_DISTS:  # 'auto' is settled before any network is built (compilation.resolve_auto)
             raise ValueError(f"actor.dist '{self.kind}' has no distribution; valid: {', '.join(ACTOR_DISTS)}")
         self.mlp = MLP(inp, config.layers, units, act, norm)
         learned = self.kind == "normal" and config.std == "learned"
@@ -314,7 +255,7 @@ class ChannelRMSNorm(RMSNorm):
 
 def channel_norm(norm, channels):
     """The normalisation layer of `norm` over the channels of an NCHW tensor, or None."""
-    kind = norm_kind(norm)
+    kind = norm
     if kind == "layer":
         return ChannelNorm(channels, eps=1e-3)
     if kind == "rms":
@@ -767,6 +708,6 @@ IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encode
 VECTOR_DISTS = {"symlog_mse": distributions.SymlogMSE, "mse": distributions.MSE}  # decoder.vector_dist
 ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
-# The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
+# The network bodies compilation.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

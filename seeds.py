@@ -8,7 +8,7 @@ acting, saving and loading see them), and the loss of every seed is one forward 
 pass over that axis (torch.func.vmap of functional_call, `BatchedUpdate`). Each seed's optimizer
 then steps its own row of the gradients, so its clipping and moments never see another seed's.
 The noise of each seed's samples is drawn from its own generator before the pass, in the order
-its update alone would draw it (distributions.Tape), so seed k of a batched run computes what seed
+its update alone would draw it (`Tape`), so seed k of a batched run computes what seed
 k alone computes, up to the rounding of batched matrix products.
 
 Each seed's Trainer runs its loop in a thread of its own (`train_together`); a thread that owes an
@@ -17,6 +17,7 @@ that is not ready (still prefilling, or finished) does not hold the others: the 
 with a stand-in batch for it and leaves its weights, moments and state untouched (`absent`).
 """
 
+import contextlib
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ import torch
 import distributions
 import models
 import networks
+import precision
 import tools
 
 
@@ -44,6 +46,64 @@ def check(config, world_size):
                                     "separate runs (--seeds 1, one --seed each)")
     if world_size > 1:
         raise tools.ConfigError(f"--seeds {config.seeds} does not run under torchrun yet: run it as one process")
+
+
+# ==================================================================================================
+# Each seed's noise, and the layout of images inside vmap
+# ==================================================================================================
+
+
+DRAWS = {"uniform": lambda shape, device, gen: torch.rand(shape, device=device, generator=gen),
+         "normal": lambda shape, device, gen: torch.empty(shape, device=device).normal_(generator=gen)}
+
+
+class Tape:
+    """The noise of one computation, in the order it is taken. Recording (`values` None), `take`
+    notes each draw's kind and shape and returns zeros, drawing nothing; `draw` then draws the
+    noise of those draws from a generator, in that order, as a flat (total,) tensor per kind; a
+    tape given those (`values`, one seed's slice inside vmap) hands them out in the same order."""
+
+    def __init__(self, values=None):
+        self.values, self.draws, self.offsets = values, [], {kind: 0 for kind in DRAWS}
+
+    def take(self, kind, shape, device):
+        if self.values is None:
+            self.draws.append((kind, shape))
+            return torch.zeros(shape, device=device)  # on the sample's device: the recording pass runs there
+        count = 1
+        for size in shape:
+            count *= size
+        start = self.offsets[kind]
+        self.offsets[kind] = start + count
+        return self.values[kind][start:start + count].reshape(shape)
+
+    @staticmethod
+    def draw(draws, gen, device):
+        """{kind: (total,)} noise for the recorded `draws` [(kind, shape)], from `gen`."""
+        parts = {kind: [] for kind in DRAWS}
+        for kind, shape in draws:
+            parts[kind].append(DRAWS[kind](shape, device, gen).flatten())
+        return {kind: torch.cat(found) if found else torch.zeros(0, device=device) for kind, found in parts.items()}
+
+    @staticmethod
+    def zeros(draws, device):
+        """Zeros in the place of `draw`'s noise, drawing nothing."""
+        totals = {kind: 0 for kind in DRAWS}
+        for kind, shape in draws:
+            totals[kind] += torch.Size(shape).numel()
+        return {kind: torch.zeros(total, device=device) for kind, total in totals.items()}
+
+
+@contextlib.contextmanager
+def vmapped():
+    """The block runs inside torch.func.vmap on this thread: conv activations then keep the
+    contiguous layout (networks.image_layout), since vmap cannot query channels_last."""
+    before = getattr(networks.layout, "vmapped", False)
+    networks.layout.vmapped = True
+    try:
+        yield
+    finally:
+        networks.layout.vmapped = before
 
 
 def seed_generator(device):
@@ -87,9 +147,8 @@ class Stack:
 
 
 class SeedLosses(torch.nn.Module):
-    """One seed's loss, as Update.train_step computes it before stepping, over the template agent's
-    modules (functional_call swaps in a seed's weights): `part` 'model' is the world model's terms,
-    'behavior' the Imagination and Replay parts from given posteriors, 'all' both (update joint)."""
+    """One seed's `part` of the loss (models.loss, models.PARTS) over the template agent's modules
+    (functional_call swaps in a seed's weights): its terms, metrics and detached posteriors."""
 
     def __init__(self, agent):
         super().__init__()
@@ -97,21 +156,10 @@ class SeedLosses(torch.nn.Module):
 
     def forward(self, data, part, post=None):
         agent = self.agent
-        update, wm, behavior, config = agent.update, agent.wm, agent.task_behavior, agent.config
-        latent, data = update.context.split(data)
-        size, length = data["is_first"].shape
-        losses, metrics, behavior_metrics = {}, {}, {}
-        with models.autocast(config):
-            if part in ("model", "all"):
-                terms, post, _, metrics = wm.loss(data, latent)
-                losses.update(terms)
-            if part in ("behavior", "all"):
-                terms, behavior_metrics = models.behavior_losses(behavior, post, data, bool(config.critic.repval),
-                                                                 replay_graph=part == "all")
-                losses.update(terms)
-        metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})
-        post = {k: v.detach() for k, v in post.items()}
-        return losses, metrics, post
+        start, data = agent.context.split(data)
+        with precision.autocast(agent.config):
+            losses, post, _, metrics = models.loss(agent.task_behavior, data, start, part, post)
+        return losses, metrics, {k: v.detach() for k, v in post.items()}
 
 
 class BatchedUpdate:
@@ -120,9 +168,8 @@ class BatchedUpdate:
     `train_step(k, batch, data)` is seed k's Update.train_step: it hands the batch over and waits
     until every live seed (`live`) has handed its over, then one of the waiting threads runs the
     update for all and each gets its own (metrics, latents) back. `leave(k)` when seed k's loop
-    ends. The world model's terms and the behaviour's are computed together under update 'joint'
-    and one after the other, with the world model stepped in between, under 'sequential' (the
-    paper's order, as Update.train_step)."""
+    ends. The parts of the loss and their steps come in the order of every update
+    (models.run_update over models.PARTS), each part one vmapped pass over the seeds."""
 
     def __init__(self, agents, generators):
         self.agents, self.generators = agents, generators
@@ -130,7 +177,6 @@ class BatchedUpdate:
         self.stack = Stack(agents)
         self.module = SeedLosses(agents[0])
         self.prefix = "agent."
-        self.sequential = agents[0].update.sequential
         self.schedules = {}  # (part, batch shape) -> the recorded noise draws
         self.lock = threading.Condition()
         self.live, self.pending, self.results = set(range(self.count)), {}, {}
@@ -186,30 +232,28 @@ class BatchedUpdate:
         data = {key: torch.stack([d[key] for d in datas]) for key in datas[0]}
         kept = {name: buffer[absent].clone() for name, buffer in self.stack.buffers.items()} if absent else {}
         metrics = [{} for _ in range(self.count)]
-        if self.sequential:
-            losses, part_metrics, post = self.losses(data, "model", present)
-            self.step("model", losses, present, metrics)
-            behavior_losses, behavior_metrics, _ = self.losses(data, "behavior", present, post, frozen="agent.wm.")
-            self.check({**losses, **behavior_losses}, data)
-            self.step_rest(behavior_losses, present, metrics)
-            part_metrics.update(behavior_metrics)
-        else:
-            losses, part_metrics, post = self.losses(data, "all", present)
-            self.check(losses, data)
-            self.step_rest(losses, present, metrics)
+        config = self.agents[0].config
+
+        def compute(part, post):  # the world model is frozen where it stepped already ('behavior')
+            losses, part_metrics, post = self.losses(data, part, present, post,
+                                                     frozen="agent.wm." if part == "behavior" else None)
+            return losses, post, None, part_metrics
+
+        def apply(names, losses):  # each seed's step metrics go to its own row of `metrics`
+            self.step_optimizers(names, losses, present, metrics)
+            return {}
+
+        losses, post, _, part_metrics = models.run_update(config, models.PARTS[config.update], compute, apply,
+                                                          lambda losses: self.check(losses, data))
         for name, rows in kept.items():  # an absent seed's return normalisation and counters stay as they were
             self.stack.buffers[name].data[absent] = rows
         results = {}
         for k in present:
             agent = self.agents[k]
-            agent.task_behavior.update_slow_critic()
             found = {key: value[k] for key, value in part_metrics.items()}
             found.update(metrics[k])
-            if not self.sequential:
-                scales = agent.wm.scales
-                for name in ("model", "actor", "critic"):
-                    found[f"{name}_loss"] = models.scaled_sum({t: v[k] for t, v in losses.items()}, scales,
-                                                              models.terms_of(name, scales)).detach()
+            models.after_steps(agent.task_behavior, {t: v[k] for t, v in losses.items()}, found,
+                               shares=config.update == "joint")
             latents = agent.context.latents({key: value[k] for key, value in post.items()})
             results[k] = (found, latents)
         return results
@@ -231,17 +275,16 @@ class BatchedUpdate:
             self.schedules[key] = self.record(data, part, post)
         draws = self.schedules[key]
         device = data["is_first"].device
-        tape = distributions.Tape
-        noise = [tape.draw(draws, gen, device) if k in present else tape.zeros(draws, device)
+        noise = [Tape.draw(draws, gen, device) if k in present else Tape.zeros(draws, device)
                  for k, gen in enumerate(self.generators)]
-        noise = {kind: torch.stack([n[kind] for n in noise]) for kind in distributions.DRAWS}
+        noise = {kind: torch.stack([n[kind] for n in noise]) for kind in DRAWS}
         params = {self.prefix + k: (v.detach() if frozen and (self.prefix + k).startswith(frozen) else v)
                   for k, v in self.stack.params.items()}
         buffers = {self.prefix + k: v for k, v in self.stack.buffers.items()}
         module = self.module
 
         def one(params, buffers, data, noise, post):
-            with distributions.tape(distributions.Tape(noise)), networks.vmapped():
+            with distributions.tape(Tape(noise)), vmapped():
                 return torch.func.functional_call(module, (params, buffers), (data, part, post), strict=True)
 
         in_dims = (0, 0, 0, 0, None if post is None else 0)
@@ -253,7 +296,7 @@ class BatchedUpdate:
     def record(self, data, part, post):
         """The noise draws (kind, shape) of one seed's `part` of the update, recorded on seed 0's
         weights and a copy of its buffers without drawing anything."""
-        tape = distributions.Tape()
+        tape = Tape()
         params = {self.prefix + k: v[0].detach() for k, v in self.stack.params.items()}
         buffers = {self.prefix + k: v[0].clone() for k, v in self.stack.buffers.items()}
         one = {key: value[0] for key, value in data.items()}
@@ -262,16 +305,10 @@ class BatchedUpdate:
             torch.func.functional_call(self.module, (params, buffers), (one, part, first_post), strict=True)
         return tape.draws
 
-    def step(self, name, losses, present, metrics):
-        """Backpropagate every present seed's loss of the optimizer `name` into its row of the
-        stack, then step each present seed's own optimizer on its row of the gradients."""
-        self.step_optimizers([name], losses, present, metrics)
-
-    def step_rest(self, losses, present, metrics):
-        names = [name for name in self.agents[0].update.optimizers if name != "model" or not self.sequential]
-        self.step_optimizers(names, losses, present, metrics)
-
     def step_optimizers(self, names, losses, present, metrics):
+        """Backpropagate every present seed's loss of the optimizers `names` into its row of the
+        stack, then step each present seed's own optimizers on its row of the gradients; their
+        metrics go to metrics[k]."""
         agents = self.agents
         own = {id(p): name for name, p in agents[0].named_parameters()}
         total, per_seed, rows = 0, {}, set()

@@ -127,7 +127,7 @@ class Ratio:
         return {"updates": self.updates}
 
     def load_state_dict(self, state):
-        self.updates = state["updates"] if isinstance(state, dict) else state  # older checkpoints: the int
+        self.updates = state["updates"]
 
 
 class SamplesPerInsert:

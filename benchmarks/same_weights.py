@@ -249,13 +249,8 @@ def project_losses(agent, batch, start):
     """The loss terms {term: (B, T) or (B, T-1)} of models.Update.train_step under update 'joint'."""
     import models
 
-    wm = agent.wm
-    data = wm.preprocess(batch)
-    losses, post, _, _ = wm.loss(data, start)
-    terms, _ = models.behavior_losses(agent.task_behavior, post, data, bool(agent.config.critic.repval),
-                                      replay_graph=True)
-    losses.update(terms)
-    return losses
+    data = agent.wm.preprocess(batch)
+    return models.loss(agent.task_behavior, data, start)[0]
 
 
 def project_side(agent, batch, start, seeds):
@@ -427,13 +422,13 @@ def project_and_report(args, rest, config, saved):
     """The project side on the official side's output, then the report."""
     import torch
 
+    import compilation
     import dreamer
     import envs
-    import models
 
     torch.set_num_threads(1)
     env = envs.make_env(config, "train", 0)
-    config, _ = models.resolve_auto(config, env.act_space, env.obs_space)
+    config, _ = compilation.resolve_auto(config, env.act_space, env.obs_space)
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
     env.close()
     if agent.wm.encoder.cnn_shapes:

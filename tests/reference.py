@@ -246,7 +246,8 @@ def world_model_loss(agent, data, start):
     embed = wm.encoder(flat).unflatten(0, (batch, length))
     post, prior = rssm.observe(embed, data["action"], data["is_first"], start)
     feat = rssm.feat(post)
-    inputs = {name: feat if name in config.grad_heads else feat.detach() for name in ("decoder", "reward", "cont")}
+    # A head's loss trains the representation unless the head is named in stop_grad_heads (as in the official code).
+    inputs = {name: feat.detach() if name in config.stop_grad_heads else feat for name in ("decoder", "reward", "cont")}
     decoder, terms = wm.heads["decoder"], {}
     if decoder.cnn_shapes:
         image = decoder.cnn(inputs["decoder"])

@@ -19,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/refere
 
 import reference  # noqa: E402
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import distributions  # noqa: E402
 import models  # noqa: E402
@@ -557,7 +558,7 @@ def test_return_norm_scale_floor_is_one():
 
 
 def make_actor_critic(*flags, reward_fn=None):
-    config, _ = models.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
+    config, _ = compilation.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
     reward_fn = reward_fn or (lambda feat, state, action: wm.heads["reward"](feat).mean())
@@ -799,12 +800,11 @@ def capture_actor_loss(ac, wm):
 
 def behavior_update(config, wm, ac, start, start_cont):
     """One step of an actor-critic with optimizers of its own, as Plan2Explore steps its: its terms
-    from the start states (N, ...) taken as one sequence (models.behavior_losses), the world model
+    from the start states (N, ...) taken as one sequence (models.loss's Imagination), the world model
     frozen; returns the metrics."""
     post = {k: v[None] for k, v in start.items()}
     data = {"is_first": torch.zeros(1, len(start_cont)), "cont": start_cont[None]}
-    with models.frozen(wm):
-        terms, metrics = models.behavior_losses(ac, post, data, replay=False)
+    terms, _, _, metrics = models.loss(ac, data, part="behavior", post=post, replay=False)
     metrics.update(models.step(models.behavior_optimizers(config, ac), terms, wm.scales))
     ac.update_slow_critic()
     return metrics

@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+import compilation
 import config as cfg
 import dreamer
 import envs
 import exploration
 import models
 import networks
+import optim
 import storage
 import tools
 
@@ -318,11 +320,11 @@ def test_the_settled_config_is_read_only():
 def test_auto_keys_are_settled_once_into_a_new_config():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--compile", "auto"])
     env = envs.make_env(config, "train", 0)
-    settled, resolved = models.resolve_auto(config, env.act_space)
+    settled, resolved = compilation.resolve_auto(config, env.act_space)
     assert set(resolved) == {"actor.dist", "imag_gradient", "compile"}
     assert (settled.actor.dist, settled.imag_gradient, settled.compile) == ("normal", "dynamics", False)
     assert config.actor.dist == "auto"  # parse's config stays as it was
-    again, resolved = models.resolve_auto(settled, env.act_space)
+    again, resolved = compilation.resolve_auto(settled, env.act_space)
     assert again is settled and resolved == {}  # a settled config settles to itself
     agent = dreamer.Dreamer(env.obs_space, env.act_space, settled)
     assert agent.config is settled
@@ -332,7 +334,7 @@ def test_a_normal_actor_refuses_std_none():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--actor.std", "none"])
     env = envs.make_env(config, "train", 0)
     with pytest.raises(tools.ConfigError, match="Invalid value 'none' for --actor.std"):
-        models.resolve_auto(config, env.act_space)
+        compilation.resolve_auto(config, env.act_space)
 
 
 # Each key whose value a module dispatches on, and the table it dispatches with: the schema's
@@ -341,8 +343,8 @@ def test_a_normal_actor_refuses_std_none():
 DISPATCH = {
     "act": networks.ACTIVATIONS, "encoder.act": networks.ACTIVATIONS, "decoder.act": networks.ACTIVATIONS,
     "dyn_std_act": networks.STD_ACTS, "encoder.cnn": networks.IMAGE_ENCODERS,
-    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": models.OPTIMIZERS,
-    "update": models.UPDATES, "compile": models.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
+    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": optim.OPTIMIZERS,
+    "update": models.UPDATES, "compile": compilation.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
     "disag_target": exploration.Plan2Explore.TARGETS, "prefill_policy": dreamer.PREFILLS,
 }
 
@@ -400,15 +402,6 @@ def test_keys_free_on_resume_change_silently_and_others_warn(tmp_path):
 def test_the_encoder_and_decoder_activations_are_validated(key, value):
     with pytest.raises(tools.ConfigError, match=rf"Invalid value '{value}' for --{key}; valid: SiLU, ELU"):
         cfg.parse(["--configs", "debug", f"--{key}", value])
-
-
-def test_an_unsettled_imag_gradient_never_reaches_the_actor_loss_silently():
-    agent, env = make_agent()
-    behavior = agent.task_behavior
-    behavior.config = behavior.config.replace(imag_gradient="bogus")
-    start = agent.wm.rssm.initial(4)
-    with pytest.raises(ValueError, match="imag_gradient 'bogus' reached the actor loss unsettled"):
-        behavior.loss(start, torch.ones(4))
 
 
 def test_the_train_ratio_arithmetic_agrees_across_the_schedule_and_the_run_total():

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
@@ -29,7 +30,7 @@ def make_config(*flags):
     continuous action space unless the flags ask for a onehot actor."""
     config = cfg.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
     if config.actor.dist == "auto":
-        config, _ = models.resolve_auto(config, ACT_SPACE)
+        config, _ = compilation.resolve_auto(config, ACT_SPACE)
     return config
 
 
@@ -393,7 +394,7 @@ def test_actor_rejects_unknown_dist():
 
 
 # ---------------------------------------------------------------------------------------------
-# grad_heads
+# stop_grad_heads
 # ---------------------------------------------------------------------------------------------
 
 
@@ -409,9 +410,10 @@ def batch(b=2, t=4, seed=22):
             "is_terminal": rng.random((b, t)) < 0.3}
 
 
-@pytest.mark.parametrize("grad_heads", ["decoder", "decoder,reward,cont"])
-def test_grad_heads_route_gradients_to_the_representation(grad_heads):
-    _, wm = make_world_model("--grad_heads", grad_heads, "--reward_head.outscale", "1.0")
+@pytest.mark.parametrize("stopped", ["reward,cont", ""])
+def test_stop_grad_heads_keep_those_heads_off_the_representation(stopped):
+    """Every head trains the representation (the official default) except those in stop_grad_heads."""
+    _, wm = make_world_model("--stop_grad_heads", stopped, "--reward_head.outscale", "1.0")
     outputs = {}
     for name, head in wm.heads.items():
         head.register_forward_hook(lambda module, inp, out, name=name: outputs.__setitem__(name, out))
@@ -424,12 +426,12 @@ def test_grad_heads_route_gradients_to_the_representation(grad_heads):
     for name, loss in losses.items():
         grads = torch.autograd.grad(loss, representation, allow_unused=True, retain_graph=True)
         reaches = any(g is not None and g.abs().sum() > 0 for g in grads)
-        assert reaches == (name in grad_heads.split(",")), name
+        assert reaches == (name not in stopped.split(",")), name
         head_grads = torch.autograd.grad(loss, list(wm.heads[name].parameters()), allow_unused=True,
                                          retain_graph=True)
         assert any(g is not None and g.abs().sum() > 0 for g in head_grads)  # the head itself always learns
 
 
-def test_unknown_grad_head_is_rejected():
-    with pytest.raises(ValueError, match="grad_heads"):
-        make_world_model("--grad_heads", "decoder,value")
+def test_unknown_stop_grad_head_is_rejected():
+    with pytest.raises(ValueError, match="Invalid value 'value' for --stop_grad_heads; valid: decoder, reward, cont"):
+        make_world_model("--stop_grad_heads", "decoder,value")
