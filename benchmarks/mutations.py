@@ -1,30 +1,38 @@
-"""Mutation battery: does the fast test tier fail when the learner is broken?
+"""Mutation battery: does a test that compares the product with an independent reference fail when the
+learner is broken?
 
     python3 benchmarks/mutations.py [--list] [--only critic_no_grad,entropy_sign] [--pytest-args "-k train"] \\
-        [--keep] [--out FILE] [--jobs N]
+        [--keep] [--out FILE] [--jobs N] [--fast-tier]
 
 Each mutation (MUTATIONS below) is a small, named source change that models a slip a researcher could
 make: one or more edits, each an exact old text of a file (relative to the repository root) and the
-text that replaces it. Every run makes a fresh copy of the repository's files (as .ci/run selects them:
-`git ls-files -z -co --exclude-standard`, tracked files deleted in the working tree skipped) as the only
-entry of an empty temporary folder, applies the mutation there (never in the checkout) and runs the
-fast tier in it:
+text that replaces it, and `caught_by`, the reference tests that must catch it (pytest node ids; for the update's
+slips the tests of tests/test_reference.py, which compare one update of each recipe with tests/reference.py, the
+update written out with no product helper). Every run makes a fresh copy of the repository's files (as .ci/run
+selects them: `git ls-files -z -co --exclude-standard`, tracked files deleted in the working tree skipped) as the
+only entry of an empty temporary folder, applies the mutation there (never in the checkout) and runs its
+reference tests there, all of them, in the fast tier:
+
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider TESTS
+
+(with the interpreter that runs the battery; a named test that is slow is deselected, no test runs, and the
+mutation is an ERROR: the reference tests must be fast). `--fast-tier` runs the whole fast tier instead, as the
+battery did before the reference tests existed:
 
     python3 -m pytest -q -m "not slow" -x -p no:cacheprovider --ignore=tests/test_mutations.py
 
-(with the interpreter that runs the battery; `-x`: it stops at the first failing test; `--pytest-args`
-adds arguments, `--pytest-args=-x` for one that starts with a dash and has no space). The battery's own
-tests (tests/test_mutations.py) are left out: one of them checks that every mutation's old text occurs
-in the checkout, which a mutated copy fails by construction. The environment is the caller's, with
-OMP_NUM_THREADS=1 and MUJOCO_GL=egl unless set. The first failing test and its failure line are read
-from pytest's JUnit XML report (`--junitxml`, xunit1, written outside the copy), not from its terminal
-output.
+(`-x`: it stops at the first failing test; the battery's own tests are left out: one of them, in the slow tier,
+checks that every mutation's old text occurs in the checkout, which a mutated copy fails by construction).
+`--pytest-args` adds arguments, `--pytest-args=-x` for one that starts with a dash and has no space. The
+environment is the caller's, with OMP_NUM_THREADS=1 and MUJOCO_GL=egl unless set. The first failing test and its
+failure line are read from pytest's JUnit XML report (`--junitxml`, xunit1, written outside the copy), not from
+its terminal output.
 
-The clean copy (no mutation) runs first and must pass: if it fails, the battery says so and stops
-(exit 1). Then each mutation is reported as `caught` (a test failed or errored: its id and failure
-line), `caught (collection error)` (the copy does not even import or collect: weak, since any
-syntax slip would do the same; a mutation should be a behaviour change that still imports), `ESCAPED`
-(every fast test passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
+The clean copy (no mutation) runs first, with the reference tests of every mutation run (or the fast tier),
+and must pass: if it fails, the battery says so and stops (exit 1). Then each mutation is reported as `caught` (a
+test failed or errored: its id and failure line), `caught (collection error)` (the copy does not even import or
+collect: weak, since any syntax slip would do the same; a mutation should be a behaviour change that still
+imports), `ESCAPED` (every test run passed) or `ERROR` (pytest did not run tests to a verdict: a usage error, no tests,
 a crash; counted as not caught). The last line gives the totals and the seconds of the whole battery.
 `--jobs N` runs N mutations at once (after the clean copy, which runs alone), each pytest process at one
 thread; the report keeps the table's order. `--out FILE` also writes the report as a markdown table;
@@ -67,6 +75,7 @@ ROOT = HERE.parent
 MUTATIONS = [
     {
         "name": "critic_no_grad",
+        "caught_by": ["tests/test_reference.py::test_every_gradient_equals_the_reference"],
         "slip": "the critic's one regression runs under torch.no_grad (the decorator copied from "
                 "update_slow_critic): neither its imagined-return loss nor repval trains it",
         "edits": [{"file": "models.py",
@@ -75,6 +84,7 @@ MUTATIONS = [
     },
     {
         "name": "actor_no_grad",
+        "caught_by": ["tests/test_reference.py::test_every_gradient_equals_the_reference"],
         "slip": "the rollout detaches the actor's outputs instead of its input features: no loss "
                 "(dynamics, REINFORCE or entropy) sends the actor a gradient",
         "edits": [{"file": "models.py",
@@ -83,6 +93,10 @@ MUTATIONS = [
     },
     {
         "name": "decoder_frozen",
+        "caught_by": [
+            "tests/test_reference.py::test_every_gradient_equals_the_reference",
+            "tests/test_reference.py::test_every_parameter_after_the_update_equals_the_reference",
+        ],
         "slip": "the decoder's parameters are left out of the world model's optimizer (sequential) and "
                 "the joint one; its loss is still computed and still trains the representation",
         "edits": [
@@ -98,6 +112,7 @@ MUTATIONS = [
     },
     {
         "name": "reward_head_frozen",
+        "caught_by": ["tests/test_reference.py::test_every_parameter_after_the_update_equals_the_reference"],
         "slip": "the reward head is built with requires_grad off (a probe's freeze left in): every "
                 "optimizer drops it; its loss is still computed",
         "edits": [{"file": "models.py",
@@ -107,6 +122,7 @@ MUTATIONS = [
     },
     {
         "name": "continue_head_frozen",
+        "caught_by": ["tests/test_reference.py::test_every_parameter_after_the_update_equals_the_reference"],
         "slip": "the continue head is built with requires_grad off (a probe's freeze left in): every "
                 "optimizer drops it; its loss is still computed",
         "edits": [{"file": "models.py",
@@ -116,6 +132,7 @@ MUTATIONS = [
     },
     {
         "name": "kl_dropped",
+        "caught_by": ["tests/test_reference.py::test_every_gradient_equals_the_reference"],
         "slip": "the KL terms come back detached (the stop-gradient put on the whole term, not one side): "
                 "dyn and rep are computed and logged but train nothing",
         "edits": [{"file": "networks.py",
@@ -125,6 +142,9 @@ MUTATIONS = [
     },
     {
         "name": "return_norm_off",
+        "caught_by": [
+            "tests/test_reference.py::test_the_return_normalisation_and_the_slow_critic_after_the_update_equal_the_reference",
+        ],
         "slip": "ReturnNorm updates copies of its EMAs (mul for mul_): they stay 0, so offset 0 and scale "
                 "1 though reward_EMA is on",
         "edits": [{"file": "models.py",
@@ -135,6 +155,9 @@ MUTATIONS = [
     },
     {
         "name": "slow_critic_frozen",
+        "caught_by": [
+            "tests/test_reference.py::test_the_return_normalisation_and_the_slow_critic_after_the_update_equal_the_reference",
+        ],
         "slip": "the slow critic's EMA fraction is chosen the wrong way round (torch.where's branches "
                 "swapped): at slow_target_update 1 it is always 0 and the slow critic never moves",
         "edits": [{"file": "models.py",
@@ -143,6 +166,7 @@ MUTATIONS = [
     },
     {
         "name": "entropy_sign",
+        "caught_by": ["tests/test_reference.py::test_every_loss_term_and_metric_equals_the_reference"],
         "slip": "the entropy bonus of the actor loss is added to the loss: a penalty",
         "edits": [{"file": "models.py",
                    "old": "        loss = loss - config.actor.entropy * entropy\n",
@@ -150,6 +174,9 @@ MUTATIONS = [
     },
     {
         "name": "resume_no_optimizer",
+        "caught_by": [
+            "tests/test_learning.py::test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state",
+        ],
         "slip": "resuming restores everything but the optimizers' states (fresh moments and counts)",
         "edits": [{"file": "storage.py",
                    "old": "        changes = self.agent.load_optimizer_state(state[\"optimizers\"])\n",
@@ -157,6 +184,9 @@ MUTATIONS = [
     },
     {
         "name": "replay_stuck",
+        "caught_by": [
+            "tests/test_learning.py::test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state",
+        ],
         "slip": "the prefetcher memoises its sample: the learner trains on the replay's first batch forever",
         "edits": [{"file": "storage.py",
                    "old": "    def sample(self):\n"
@@ -169,6 +199,9 @@ MUTATIONS = [
     },
     {
         "name": "latents_not_saved",
+        "caught_by": [
+            "tests/test_learning.py::test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state",
+        ],
         "slip": "the trainer no longer writes the training posteriors back into the replay "
                 "(recipe2024's replay context keeps the collector's stale latents)",
         "edits": [{"file": "dreamer.py",
@@ -178,6 +211,9 @@ MUTATIONS = [
     },
     {
         "name": "latents_not_checkpointed",
+        "caught_by": [
+            "tests/test_learning.py::test_a_run_stopped_by_ctrl_c_and_resumed_holds_the_straight_runs_whole_state",
+        ],
         "slip": "a resumed run leaves the checkpoint's replay state unread: the replay context starts again "
                 "from the files' latents (the policy's) and the online queue from empty",
         "edits": [{"file": "storage.py",
@@ -186,6 +222,9 @@ MUTATIONS = [
     },
     {
         "name": "agent_prefill_random",
+        "caught_by": [
+            "tests/test_learning.py::test_prefill_policy_chooses_who_acts_before_training_and_when_it_starts",
+        ],
         "slip": "the official start (prefill_policy agent) collects with uniform random actions and zero "
                 "latents, as the v1 prefill does",
         "edits": [{"file": "dreamer.py",
@@ -194,6 +233,7 @@ MUTATIONS = [
     },
     {
         "name": "eval_fresh_weights",
+        "caught_by": ["tests/test_learning.py::test_eval_only_scores_the_checkpoints_weights_not_a_fresh_agents"],
         "slip": "--eval_only evaluates the freshly built agent: the checkpoint's weights are never loaded",
         "edits": [{"file": "dreamer.py",
                    "old": "    agent.load_state_dict(state[\"agent\"])\n    episodes = parallel.run_episodes(",
@@ -201,6 +241,7 @@ MUTATIONS = [
     },
     {
         "name": "lambda_return_no_cont",
+        "caught_by": ["tests/test_reference.py::test_every_loss_term_and_metric_equals_the_reference"],
         "slip": "the λ-return ignores the continuation flags: it bootstraps across episode ends "
                 "(imagined and replayed returns)",
         "edits": [{"file": "models.py",
@@ -209,6 +250,7 @@ MUTATIONS = [
     },
     {
         "name": "advantage_unnormalised",
+        "caught_by": ["tests/test_reference.py::test_every_loss_term_and_metric_equals_the_reference"],
         "slip": "the actor's advantage uses the raw returns and values: the normalisation is computed "
                 "and logged (return_scale) but not applied",
         "edits": [{"file": "models.py",
@@ -217,6 +259,7 @@ MUTATIONS = [
     },
     {
         "name": "grad_clip_discarded",
+        "caught_by": ["tests/test_reference.py::test_every_gradient_equals_the_reference"],
         "slip": "gradient clipping computes the clipped gradients out of place and drops them "
                 "(_foreach_mul for _foreach_mul_): neither the norm clip (v1) nor AGC (recipe2024) applies",
         "edits": [
@@ -230,6 +273,10 @@ MUTATIONS = [
     },
     {
         "name": "rssm_no_reset",
+        "caught_by": [
+            "tests/test_reference.py::test_every_loss_term_and_metric_equals_the_reference",
+            "tests/test_reference.py::test_the_posterior_latents_equal_the_reference",
+        ],
         "slip": "the RSSM's is_first reset zeroes the action but no longer resets the latent state: "
                 "sequences carry the state across episode starts",
         "edits": [{"file": "networks.py",
@@ -240,7 +287,8 @@ MUTATIONS = [
 ]
 
 OWN_TESTS = "tests/test_mutations.py"  # the battery's own tests, left out of every run (see the docstring)
-FAST_TIER = ("-m", "pytest", "-q", "-m", "not slow", "-x", "-p", "no:cacheprovider", f"--ignore={OWN_TESTS}")
+PYTEST = ("-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider")
+FAST_TIER = (*PYTEST, "-x", f"--ignore={OWN_TESTS}")
 LINE = 160  # characters of a failure line in the report
 
 
@@ -272,6 +320,11 @@ def check_table(table):
                 raise BatteryError(f"mutation {name}: an edit needs the strings file, old and new: {edit!r}")
             if not edit["old"] or edit["old"] == edit["new"]:
                 raise BatteryError(f"mutation {name}: an edit of {edit['file']} has no old text or changes nothing")
+        tests = mutation.get("caught_by")
+        if not (isinstance(tests, (list, tuple)) and tests
+                and all(isinstance(t, str) and t.startswith("tests/") and "::" in t for t in tests)):
+            raise BatteryError(f"mutation {name}: caught_by must name its reference tests, "
+                               f"tests/FILE.py::test_name: {tests!r}")
         names.append(name)
     return names
 
@@ -401,10 +454,12 @@ def output_tail(log):
     return shorten(lines[-1]) if lines else "(no output)"
 
 
-def run_fast_tier(copy, junit, log, extra=()):
-    """Run the fast tier in `copy`; returns {status, test, line, seconds, counts}. status: passed,
-    failed (a test failed or errored), collection (collection error) or error (no verdict)."""
-    command = [sys.executable, *FAST_TIER, f"--junitxml={junit}", "-o", "junit_family=xunit1", *extra]
+def run_tests(copy, junit, log, extra=(), targets=None):
+    """Run the fast tier in `copy` (`targets` None), or the fast tests `targets` (node ids) alone and all of them
+    (no -x); returns {status, test, line, seconds, counts}. status: passed, failed (a test failed or errored),
+    collection (collection error) or error (no verdict: a named test that is slow is deselected, no tests ran)."""
+    command = [sys.executable, *(FAST_TIER if targets is None else (*PYTEST, *targets)), f"--junitxml={junit}", "-o",
+               "junit_family=xunit1", *extra]
     start = time.monotonic()
     with open(log, "w") as out:
         code = subprocess.call(command, cwd=copy, env=environment(), stdout=out, stderr=subprocess.STDOUT,
@@ -416,15 +471,17 @@ def run_fast_tier(copy, junit, log, extra=()):
         result["status"] = "passed"
     elif code == 1 and first is not None and first[0] != "collection":
         result.update(status="failed", test=first[1], line=first[2])
-    elif code == 2 and first is not None and first[0] == "collection":
+    # A module that does not import: exit 2, or 4 when a node id of it was named (pytest finds no collectors).
+    elif code in (2, 4) and first is not None and first[0] == "collection":
         result.update(status="collection", test=first[1], line=first[2])
     else:
         result.update(status="error", line=f"pytest exit {code}: {output_tail(log)}")
     return result
 
 
-def run_one(root, files, mutation, work, extra=()):
-    """One copy of the repository under `work`, mutated unless `mutation` is None, and the fast tier in it."""
+def run_one(root, files, mutation, work, extra=(), targets=None):
+    """One copy of the repository under `work`, mutated unless `mutation` is None, and in it the fast tier
+    (`targets` None) or the tests `targets`."""
     name = mutation["name"] if mutation else "(clean)"
     folder = pathlib.Path(tempfile.mkdtemp(prefix=f"{mutation['name'] if mutation else 'clean'}-", dir=work))
     copy = folder / "repo"  # the only entry of its folder: nothing beside it, as in .ci/run
@@ -432,8 +489,9 @@ def run_one(root, files, mutation, work, extra=()):
     if mutation is not None:
         for file, text in edited_files(copy, mutation).items():
             (copy / file).write_text(text)
-    result = run_fast_tier(copy, folder.with_suffix(".xml"), folder.with_suffix(".log"), extra)
-    result.update(name=name, slip=mutation["slip"] if mutation else "none", copy=copy)
+    result = run_tests(copy, folder.with_suffix(".xml"), folder.with_suffix(".log"), extra, targets)
+    result.update(name=name, slip=mutation["slip"] if mutation else "none", copy=copy,
+                  caught_by=", ".join(mutation["caught_by"]) if mutation else "")
     return result
 
 
@@ -478,19 +536,24 @@ def cell(text):
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def command_text(extra=()):
-    """The fast tier's command as a reader types it."""
-    return " ".join(["python3", *(f'"{a}"' if " " in a else a for a in FAST_TIER), *map(shlex.quote, extra)])
+def command_text(extra=(), fast_tier=True):
+    """The command of each run as a reader types it: the fast tier, or a mutation's reference tests."""
+    args = FAST_TIER if fast_tier else (*PYTEST, "TESTS")
+    return " ".join(["python3", *(f'"{a}"' if " " in a else a for a in args), *map(shlex.quote, extra)])
 
 
-def markdown(results, clean, seconds, extra, stamp):
-    command = command_text(extra)
+def markdown(results, clean, seconds, extra, stamp, fast_tier=False):
+    command = command_text(extra, fast_tier)
+    what = ("" if fast_tier else ", TESTS the mutation's reference tests (`caught_by`; the clean copy: all of the "
+            "mutations run)")
     lines = ["# Mutation battery", "", f"*{stamp}.* Each run: a fresh copy of the repository's files, the mutation "
-             f"applied, then `{command}`.", "",
-             "| mutation | slip | result | first failing test | failure | s |", "|---|---|---|---|---|---|"]
+             f"applied, then `{command}`{what}.", "",
+             "| mutation | slip | reference tests | result | first failing test | failure | s |",
+             "|---|---|---|---|---|---|---|"]
     for result, is_clean in [(clean, True), *[(r, False) for r in results]]:
-        lines.append(f"| {cell(result['name'])} | {cell(result['slip'])} | {verdict(result, is_clean)} | "
-                     f"{cell(result['test'])} | {cell(result['line'] or detail(result))} | {result['seconds']:.0f} |")
+        lines.append(f"| {cell(result['name'])} | {cell(result['slip'])} | {cell(result['caught_by'])} | "
+                     f"{verdict(result, is_clean)} | {cell(result['test'])} | {cell(result['line'] or detail(result))} "
+                     f"| {result['seconds']:.0f} |")
     return "\n".join([*lines, "", totals(results, clean, seconds), ""])
 
 
@@ -510,10 +573,11 @@ def stamp(root):
 # ==================================================================================================
 
 
-def battery(root, mutations, extra=(), keep=False, out=None, stream=None, jobs=1):
+def battery(root, mutations, extra=(), keep=False, out=None, stream=None, jobs=1, fast_tier=False):
     """The clean copy, then each of `mutations` (`jobs` at a time, each a pytest process of its own), in
-    copies of the files under `root`; prints the report to `stream` (stdout), in the table's order, and
-    returns the exit status (0: clean passed and every mutation caught)."""
+    copies of the files under `root`: by default each mutation's reference tests (its `caught_by`; the clean
+    copy runs those of all), with `fast_tier` the whole fast tier; prints the report to `stream` (stdout), in
+    the table's order, and returns the exit status (0: clean passed and every mutation caught)."""
     stream = sys.stdout if stream is None else stream
     root = pathlib.Path(root).resolve()
     files = repository_files(root)
@@ -525,14 +589,19 @@ def battery(root, mutations, extra=(), keep=False, out=None, stream=None, jobs=1
     work = pathlib.Path(tempfile.mkdtemp(prefix="mutations-"))
     start = time.monotonic()
     try:
-        clean = run_one(root, files, None, work, extra)
+        every = list(dict.fromkeys(test for mutation in mutations for test in mutation["caught_by"]))
+        clean = run_one(root, files, None, work, extra, None if fast_tier else every)
         say(report_line(clean, clean=True))
         results = []
         if clean["status"] != "passed":
-            say(f"The clean copy fails the fast tier ({verdict(clean, True)}): no mutation was run")
+            say(f"The clean copy fails the {'fast tier' if fast_tier else 'reference tests'} "
+                f"({verdict(clean, True)}): no mutation was run")
         else:
             with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-                for result in pool.map(lambda mutation: run_one(root, files, mutation, work, extra), mutations):
+                def run(mutation):
+                    return run_one(root, files, mutation, work, extra, None if fast_tier else mutation["caught_by"])
+
+                for result in pool.map(run, mutations):
                     results.append(result)
                     say(report_line(result))
                     if not keep:
@@ -540,7 +609,7 @@ def battery(root, mutations, extra=(), keep=False, out=None, stream=None, jobs=1
         seconds = time.monotonic() - start
         say(totals(results, clean, seconds))
         if out is not None:
-            pathlib.Path(out).write_text(markdown(results, clean, seconds, extra, stamp(root)))
+            pathlib.Path(out).write_text(markdown(results, clean, seconds, extra, stamp(root), fast_tier))
             say(f"Report: {out}")
         if keep:
             say(f"Kept the copies, logs and XML reports in {work}")
@@ -564,6 +633,8 @@ def parse_args(argv):
     parser.add_argument("--only", help="comma-separated names of the mutations to run (default: all)")
     parser.add_argument("--pytest-args", default="", help="more arguments for every pytest run (one string)")
     parser.add_argument("--keep", action="store_true", help="keep the copies, logs and XML reports")
+    parser.add_argument("--fast-tier", action="store_true",
+                        help="run the whole fast tier (-x) on every mutation instead of its reference tests")
     parser.add_argument("--out", type=pathlib.Path, help="also write the report there as a markdown table")
     parser.add_argument("--jobs", type=int, default=1,
                         help="mutations run at once, each pytest at OMP_NUM_THREADS (1); the clean copy runs alone "
@@ -587,7 +658,7 @@ def main(argv=None, table=MUTATIONS, root=ROOT):
             print("\n".join(check_table(table)))
             return 0
         mutations = select(table, args.only)
-        return battery(root, mutations, args.extra, args.keep, args.out, jobs=args.jobs)
+        return battery(root, mutations, args.extra, args.keep, args.out, jobs=args.jobs, fast_tier=args.fast_tier)
     except BatteryError as e:
         print(f"mutations.py: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """The shape of the code that a researcher relies on when changing one thing: one loss-scale table
 that no term escapes, one train step in the official three parts shared by both update modes (which
-only choose the optimizers), six calls from main, a read-only config, one schema of its keys
+only choose the optimizers; their order recorded from a run), a read-only config, one schema of its keys
 (config.SCHEMA: choices that are the dispatch tables' keys, ranges, the keys free on resume), the
 train-ratio arithmetic in one place, and imports in one direction (compilation of every network a preset builds:
 tests/test_compile.py)."""
@@ -55,17 +55,23 @@ def batch_for(agent, env, length=None, seed=0):
 
 
 def test_loss_table_holds_every_term_with_its_configured_scale():
-    agent, _ = make_agent("--reward_head.loss_scale", "0.5", "--cont_head.loss_scale", "2.0", "--dyn_scale",
-                          "0.7", "--rep_scale", "0.2", "--critic.repval", "0.3")
-    scales = agent.wm.scales
-    # cartpole's image and its two vectors are decoded: a term each
-    # named as the official Agent.loss names them, in its order
-    assert scales == {"image": 1.0, "position": 1.0, "velocity": 1.0, "rew": 0.5, "con": 2.0, "dyn": 0.7,
-                      "rep": 0.2, "policy": 1.0, "value": 1.0, "repval": 0.3}
-    assert list(scales) == ["image", "position", "velocity", "rew", "con", "dyn", "rep", "policy", "value", "repval"]
-    assert agent.wm.terms == ("image", "position", "velocity", "rew", "con", "dyn", "rep")
-    assert {name: terms for name, (_, terms) in agent.update.optimizers.items()} == {
-        "model": agent.wm.terms, "actor": ("policy",), "critic": ("value", "repval")}
+    """Every term of models.LOSS_TERMS (its `rec` row one term per decoded key) has the scale its config key says
+    (each set here to a value of its own) or its fixed number, in the table's order, and each optimizer of the
+    sequential update steps the terms the table gives it: read from the table, not from a list kept here."""
+    given = {"reward_head.loss_scale": 0.5, "cont_head.loss_scale": 2.0, "dyn_scale": 0.7, "rep_scale": 0.2,
+             "critic.repval": 0.3}
+    agent, _ = make_agent(*[arg for key, value in given.items() for arg in (f"--{key}", str(value))])
+    decoded = agent.wm.heads["decoder"].keys
+    assert len(decoded) >= 2  # cartpole's image and vectors: a term each
+    want, owner = {}, {}
+    for term, (scale, optimizer) in models.LOSS_TERMS.items():
+        for name in (decoded if term == "rec" else [term]):
+            want[name] = given[scale] if isinstance(scale, str) else scale
+            owner[name] = optimizer
+    assert set(given) <= {scale for scale, _ in models.LOSS_TERMS.values()}  # every key set here is in the table
+    assert list(agent.wm.scales.items()) == list(want.items())
+    stepped = {name: set(terms) for name, (_, terms) in agent.update.optimizers.items()}
+    assert stepped == {name: {t for t, o in owner.items() if o == name} for name in set(owner.values())}
     # Plan2Explore's actor-critic reads the same table: there is one.
     p2e, _ = make_agent("--expl_behavior", "plan2explore")
     assert p2e.expl_behavior.behavior.wm[0] is p2e.wm
@@ -181,60 +187,40 @@ def test_slow_critic_and_prefix_are_applied_once_per_update_in_both_modes():
 
 
 @pytest.mark.parametrize("update", ["sequential", "joint"])
-def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
-    """models.Update.train_step computes the loss in danijar/dreamerv3's order (Agent.loss): the
-    world model, the imagination, the replay value loss, then the check of every term against the
-    table, then the optimizers' steps; recorded from one update of each mode."""
-    calls = []
-
-    def recorded(owner, name, label):
-        real = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            calls.append(label)
-            return real(*args, **kwargs)
-        monkeypatch.setattr(owner, name, call)
-
-    recorded(models.WorldModel, "loss", "world model")
-    recorded(models.ActorCritic, "loss", "imagination")
-    recorded(models.ActorCritic, "replay_loss", "replay")
-    recorded(models, "check_terms", "check")
-    recorded(optim, "optimize", "step")
+def test_the_update_runs_in_the_official_three_parts(update):
+    """Recorded from one update of each mode by what the networks see, not by which functions are called: the
+    world model (the encoder) runs first, then the imagination (the actor's rollout, then the critic on the
+    imagined states), then the replay value loss (the critic on the replayed posteriors, (B, T - 1)); under
+    'sequential' the world model has stepped before the imagination starts (the paper's order), under 'joint'
+    every part runs at the starting weights."""
     agent, env = make_agent("--update", update, "--imag_gradient", "reinforce", "--critic.repval", "0.3")
-    agent.update.train_step(batch_for(agent, env))
-    if update == "sequential":  # the world model steps first, alone (the paper's order)
-        assert calls == ["world model", "step", "imagination", "replay", "check", "step"]
-    else:
-        assert calls == ["world model", "imagination", "replay", "check", "step"]
+    batch = batch_for(agent, env)
+    start = {name: p.detach().clone() for name, p in agent.wm.named_parameters()}
+    size, length = batch["is_first"].shape
+    events = []
 
+    def record(label):
+        def hook(module, args):
+            moved = any(not torch.equal(p, start[name]) for name, p in agent.wm.named_parameters())
+            shape = tuple(args[0].shape[:-1]) if isinstance(args[0], torch.Tensor) else None  # the encoder: a dict
+            part = "replay" if label == "critic" and shape == (size, length - 1) else label
+            if not events or events[-1][0] != part:
+                events.append((part, moved))
+        return hook
 
-def test_the_world_model_loss_is_reached_from_main_through_the_one_update(tmp_path, monkeypatch):
-    """A reader follows main -> run_processes -> Trainer.train, whose loop reads inline (the
-    pretraining is one call deeper) -> Trainer.update -> models.Update.train_step -> run_update (the
-    one order of every update) -> models.loss -> WorldModel.loss: recorded from a real run, in the
-    pretraining and in the synchronous loop."""
-    import sys
-
-    chains, loss = [], models.WorldModel.loss
-
-    def recording(self, *args, **kwargs):
-        frame, names = sys._getframe(1), []
-        while frame.f_code.co_name != "main" or not frame.f_code.co_filename.endswith("dreamer.py"):
-            names.append(frame.f_code.co_qualname)
-            frame = frame.f_back
-        chains.append(names[::-1])
-        return loss(self, *args, **kwargs)
-
-    monkeypatch.setattr(models.WorldModel, "loss", recording)
-    dreamer.main(["--configs", "debug", "--device", "cpu", "--prefill", "50", "--pretrain", "1", "--steps", "80",
-                  "--eval_episode_num", "0", "--video_pred_log", "False", "--compile", "False",
-                  "--logdir", str(tmp_path / "run")])
-    assert len(chains) >= 2
-    update = ["Update.train_step", "run_update", "Update.train_step.<locals>.<lambda>", "loss"]
-    loop = ["run_processes", "Trainer.train", "Trainer.update", *update]
-    pretrain = ["run_processes", "Trainer.train", "prefill_and_pretrain", "Trainer.update", *update]
-    assert chains[0] == pretrain, chains[0]
-    assert all(chain == loop for chain in chains[1:]), chains
+    behavior = agent.task_behavior
+    handles = [agent.wm.encoder.register_forward_pre_hook(record("world model")),
+               behavior.actor.mlp.register_forward_pre_hook(record("imagination")),
+               behavior.critic.mlp.register_forward_pre_hook(record("critic"))]
+    try:
+        agent.update.train_step(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    sequential = update == "sequential"
+    assert events == [("world model", False), ("imagination", sequential), ("critic", sequential),
+                      ("replay", sequential)], events
+    assert any(not torch.equal(p, start[name]) for name, p in agent.wm.named_parameters())
 
 
 @pytest.mark.parametrize("update", ["sequential", "joint"])

@@ -1,8 +1,11 @@
 """benchmarks/mutations.py, the mutation battery: its mechanics on a tiny stand-in repository (a module,
-a test file and a mutation table of its own), and that every mutation of the real table still applies
-to this checkout. Nothing here trains or imports the learner; the tests that run the battery start
-pytest in copies of the stand-in (and git), so tests/conftest.py counts them slow."""
+a test file and a mutation table of its own), that every mutation of the real table names reference tests that
+exist in the fast tier and, in the slow tier, that every mutation still applies to this checkout (the one check
+that reads product text verbatim: a comment or a reformatted line must not fail the fast tier; the battery itself
+refuses a stale mutation in one line before it runs). Nothing here trains or imports the learner; the tests that
+run the battery start pytest in copies of the stand-in (and git), so tests/conftest.py counts them slow."""
 
+import ast
 import hashlib
 import importlib.util
 import pathlib
@@ -46,10 +49,14 @@ def edit(file, old, new):
     return {"file": file, "old": old, "new": new}
 
 
+ADD, SCALE = "tests/test_tiny.py::test_add", "tests/test_tiny.py::test_scale_is_a_number"
 TABLE = [
-    {"name": "add_subtracts", "slip": "add subtracts", "edits": [edit("tiny.py", "a + b", "a - b")]},
-    {"name": "scale_by_three", "slip": "scale by 3, untested", "edits": [edit("tiny.py", "2 * x", "3 * x")]},
-    {"name": "colon_dropped", "slip": "a syntax slip", "edits": [edit("tiny.py", "def add(a, b):", "def add(a, b)")]},
+    {"name": "add_subtracts", "slip": "add subtracts", "edits": [edit("tiny.py", "a + b", "a - b")],
+     "caught_by": [ADD]},
+    {"name": "scale_by_three", "slip": "scale by 3, untested", "edits": [edit("tiny.py", "2 * x", "3 * x")],
+     "caught_by": [SCALE]},
+    {"name": "colon_dropped", "slip": "a syntax slip", "edits": [edit("tiny.py", "def add(a, b):", "def add(a, b)")],
+     "caught_by": [ADD]},
 ]
 
 
@@ -93,6 +100,20 @@ def row(out, name):
 # -- the real table ----------------------------------------------------------------------------------
 
 
+def test_every_mutation_names_reference_tests_that_exist():
+    """Each mutation's caught_by names test functions of this checkout's test files (read from their syntax,
+    not run), and every promised mutation is in the table."""
+    names = mutations.check_table(mutations.MUTATIONS)
+    assert PROMISED <= set(names), sorted(PROMISED - set(names))
+    for mutation in mutations.MUTATIONS:
+        for test in mutation["caught_by"]:
+            file, function = test.split("::")[:2]
+            tree = ast.parse((ROOT / file).read_text())
+            defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+            assert function.split("[")[0] in defined, (mutation["name"], test)
+
+
+@pytest.mark.slow  # reads product lines verbatim: a rewording of them must not fail the fast tier
 def test_every_mutation_of_the_table_applies_once_to_this_checkout():
     """Each edit's old text occurs exactly once in its file here (a rename in the product shows up
     here, not as a battery that silently passes), and every promised mutation is in the table."""
@@ -132,7 +153,9 @@ def test_a_table_with_a_duplicate_name_or_an_empty_edit_is_refused():
     with pytest.raises(mutations.BatteryError, match="add_subtracts: the name is taken"):
         mutations.check_table([TABLE[0], TABLE[0]])
     with pytest.raises(mutations.BatteryError, match="changes nothing"):
-        mutations.check_table([{"name": "same", "slip": "x", "edits": [edit("tiny.py", "a", "a")]}])
+        mutations.check_table([{"name": "same", "slip": "x", "edits": [edit("tiny.py", "a", "a")], "caught_by": [ADD]}])
+    with pytest.raises(mutations.BatteryError, match="same: caught_by must name its reference tests"):
+        mutations.check_table([{"name": "same", "slip": "x", "edits": [edit("tiny.py", "a", "b")]}])
 
 
 def test_list_prints_one_name_a_line(capsys, tmp_path):
@@ -183,7 +206,7 @@ def test_a_caught_an_escaped_and_a_collection_error_mutation_and_the_checkout_un
     assert out.strip().splitlines()[-2].startswith("Totals: 3 mutations: 2 caught (1 by a collection error), "
                                                    "1 escaped, 0 errors")
     table = out_file.read_text()
-    assert "| add_subtracts | add subtracts | caught | tests/test_tiny.py::test_add |" in table
+    assert f"| add_subtracts | add subtracts | {ADD} | caught | tests/test_tiny.py::test_add |" in table
     assert "| scale_by_three |" in table and "ESCAPED" in table
 
 
@@ -196,7 +219,7 @@ def test_every_mutation_caught_exits_0_and_only_runs_a_subset(repo, capsys):
 
 def test_a_failing_clean_copy_stops_before_any_mutation(tmp_path, capsys, quick):
     repo = stand_in(tmp_path / "repo", TINY_TESTS + "\n\ndef test_broken():\n    assert False, 'broken before'\n")
-    assert mutations.main([], table=TABLE, root=repo) == 1
+    assert mutations.main(["--fast-tier"], table=TABLE, root=repo) == 1
     out = capsys.readouterr().out
     clean = row(out, "(clean)")
     assert clean.split()[1] == "FAILED" and "tests/test_tiny.py::test_broken: AssertionError: broken before" in clean
@@ -205,11 +228,12 @@ def test_a_failing_clean_copy_stops_before_any_mutation(tmp_path, capsys, quick)
 
 
 def test_a_stale_old_text_stops_the_battery_with_one_line_before_running(repo, capsys):
-    stale = [{"name": "renamed", "slip": "the product renamed it", "edits": [edit("tiny.py", "def plus(", "x")]}]
+    stale = [{"name": "renamed", "slip": "the product renamed it", "edits": [edit("tiny.py", "def plus(", "x")],
+              "caught_by": [ADD]}]
     assert mutations.main([], table=stale, root=repo) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "renamed" in err and "tiny.py" in err and "0 times" in err
-    twice = [{"name": "twice", "slip": "x", "edits": [edit("tiny.py", "return", "yield")]}]
+    twice = [{"name": "twice", "slip": "x", "edits": [edit("tiny.py", "return", "yield")], "caught_by": [ADD]}]
     assert mutations.main([], table=twice, root=repo) == 2
     assert "occurs 2 times in tiny.py" in capsys.readouterr().err
 
@@ -219,7 +243,8 @@ def test_the_copy_holds_the_repository_files_and_keep_keeps_it(repo, capsys):
                                                  "    import pathlib\n"
                                                  "    assert not pathlib.Path('ignored.txt').exists()\n"
                                                  "    assert pathlib.Path('.gitignore').exists()\n")
-    assert mutations.main(["--keep", "--only", "add_subtracts", "--pytest-args", "-k 'test_add or ignored'"],
+    assert mutations.main(["--keep", "--fast-tier", "--only", "add_subtracts", "--pytest-args",
+                           "-k 'test_add or ignored'"],
                           table=TABLE, root=repo) == 0
     out = capsys.readouterr().out
     assert "2 passed" in row(out, "(clean)")  # -k left test_scale_is_a_number out

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/reference.py
 
 import config as cfg  # noqa: E402
 import distributions  # noqa: E402
@@ -666,35 +667,24 @@ JOINT = ("--update", "joint", "--imag_gradient", "reinforce", "--opt", "laprop",
 
 
 def test_joint_update_is_one_laprop_step_on_the_sum_of_all_losses():
+    """One joint update against tests/reference.py, which writes the losses at the starting parameters, their
+    one gradient (the replay value loss reaching the representation) and the LaProp + AGC step out with no
+    product helper."""
+    import reference  # tests/reference.py
     agent, batch = vector_setup(*JOINT)
-    reference = copy.deepcopy(agent)
+    with torch.no_grad():  # heads that start at zero leave the actor's gradient at rounding noise
+        for layer in (agent.wm.heads["reward"].out, agent.task_behavior.critic.out):
+            layer.weight.copy_(0.3 * torch.randn(layer.weight.shape, generator=gen(40)))
+    twin = copy.deepcopy(agent)
+    before = {name: p.detach().clone() for name, p in agent.named_parameters()}
     torch.manual_seed(5)
     agent.update.train_step(batch)
-    # Written out: all losses at the starting parameters, one gradient, one LaProp + AGC step.
     torch.manual_seed(5)
-    data = reference.wm.preprocess(batch)
-    terms, post, _, _ = reference.wm.loss(data)
-    model_loss = sum(reference.wm.scales[k] * v.mean() for k, v in terms.items())
-    start = {k: v.detach().reshape(-1, *v.shape[2:]) for k, v in post.items()}
-    behavior = reference.task_behavior
-    terms, returns, _ = behavior.loss(start, data["cont"].reshape(-1))
-    # the replay value loss on the posterior features with their graph: it trains the world model too
-    repval = behavior.replay_loss(reference.wm.rssm.get_feat(post), data, returns[0].detach().reshape(2, 4))
-    actor_loss, critic_loss = terms["policy"].mean(), terms["value"].mean() + 0.3 * repval.mean()
-    modules = (reference.wm, behavior.actor, behavior.critic)
-    params = [p for m in modules for p in m.parameters()]
-    grads = torch.autograd.grad(model_loss + actor_loss + critic_loss, params, allow_unused=True)
-    moved = 0
-    for p, g, new in zip(params, grads, (p for m in (agent.wm, agent.task_behavior.actor, agent.task_behavior.critic)
-                                         for p in m.parameters())):
-        if g is None:
-            torch.testing.assert_close(new, p)
-            continue
-        g = g / max(1.0, float(g.norm() / (0.3 * max(1e-3, float(p.detach().norm())))))
-        nu = 0.001 * g ** 2 / (1 - 0.999)  # first step: bias-corrected moments are g^2 and g / |g|
-        step = (g / (nu.sqrt() + 1e-20)) * 0.1 / (1 - 0.9)
-        torch.testing.assert_close(new.detach(), (p - 0.01 * step).detach(), rtol=1e-4, atol=1e-6)
-        moved += int(bool(g.any()))
+    reference.update(twin, batch)
+    want, moved = dict(twin.named_parameters()), 0
+    for name, p in agent.named_parameters():  # a first LaProp step is about lr x sign(gradient): a few % of lr
+        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-5, atol=5e-4, msg=name)
+        moved += int(not torch.equal(p.detach(), before[name]))
     assert moved > 10
 
 
