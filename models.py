@@ -178,10 +178,15 @@ class WorldModel(nn.Module):
         `start` (deter (B, D), stoch (B, S[, C]); None: the initial state): {term: (B, T)}, unscaled
         (models.Update scales and sums them), the posterior, the embedding and metrics (the scaled
         terms' means; dyn_loss and rep_loss are the KLs before the free nats)."""
-        config = self.config
         embed = self.embed(data)  # (B, T, E)
         post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
-        scales = self.scales
+        losses, metrics = self.loss_terms(data, post, prior)
+        return losses, post, embed, metrics
+
+    def loss_terms(self, data, post, prior):
+        """The terms and metrics of `loss` from the posteriors and priors (B, T, ...) of the
+        observed sequence: the heads' losses and the KL terms."""
+        config, scales = self.config, self.scales
         feat = self.rssm.get_feat(post)  # (B, T, F)
         losses = {}  # term: (B, T)
         for name, head in self.heads.items():
@@ -193,7 +198,7 @@ class WorldModel(nn.Module):
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
                        post_entropy=self.rssm.dist(post).entropy().detach().mean())
-        return losses, post, embed, metrics
+        return losses, metrics
 
     def decoder_loss(self, pred, data):  # {key: dist} -> {key: (B, T)}
         return {key: -dist.log_prob(data[key]) for key, dist in pred.items()}
@@ -306,37 +311,41 @@ class ReturnNorm(nn.Module):
 # ==================================================================================================
 
 
-def rollout(rssm, actor, start, horizon, through_dynamics):
-    """Roll `actor` out in `rssm` for `horizon` steps from every start state (N, ...); the
-    actions feed the dynamics with their gradient only when `through_dynamics`.
+def rollout(rssm, actor, state, steps, through_dynamics):
+    """Roll `actor` out in `rssm` for `steps` steps from every state (N, ...); the actions feed the
+    dynamics with their gradient only when `through_dynamics`.
 
-    Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the actor's raw
-    outputs (H+1, N, D), kept so that the actor loss need not run the actor again.
-    The action at the last state is sampled too but never executed.
+    Returns the state reached and, for the `steps` states it started from, a tuple of feat (K, N, F),
+    state dict (K, N, ...), action (K, N, A) and the actor's raw outputs (K, N, D), kept so that
+    the actor loss need not run the actor again.
     """
-    state = start
     feats, states, actions, outs = [], [], [], []
-    for t in range(horizon + 1):
-        feat = rssm.get_feat(state)
-        out = actor.raw(feat.detach())
-        action = actor.dist(out).sample()
+    for _ in range(steps):
+        feat, out, action = act_in(rssm, actor, state)
         feats.append(feat)
         states.append(state)
         actions.append(action)
         outs.append(out)
-        if t < horizon:  # without the dynamics gradient the imagined states record no graph
-            with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
-                state = rssm.img_step(state, action if through_dynamics else action.detach())
+        with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):  # else no graph is recorded
+            state = rssm.img_step(state, action if through_dynamics else action.detach())
     stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
-    states = {k: stack([s[k] for s in states]) for k in states[0]}
-    return stack(feats), states, stack(actions), stack(outs)
+    return state, (stack(feats), networks.stack_steps(states, 0), stack(actions), stack(outs))
+
+
+def act_in(rssm, actor, state):
+    """The feature of `state` (N, ...), the actor's raw outputs there and the action it samples."""
+    feat = rssm.get_feat(state)
+    out = actor.raw(feat.detach())
+    return feat, out, actor.dist(out).sample()
 
 
 class ActorCritic(nn.Module):
     """Actor and critic trained on trajectories imagined by the world model (Section 3).
 
-    `reward_fn(feat, state, action) -> (H+1, N)` supplies the reward, so that the same class
-    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward). It holds no optimizer:
+    `reward_fn(feat, state, action) -> (reward (H, N), metrics)` supplies the reward of imagined
+    states 1..H, so that the same class serves the task (extrinsic reward) and Plan2Explore
+    (intrinsic reward); its metrics are returned with the loss's, not kept as a side effect, so
+    that a compiled loss has none. It holds no optimizer:
     the update that steps it builds them (Update for the task's, Plan2Explore for its own).
     """
 
@@ -357,11 +366,27 @@ class ActorCritic(nn.Module):
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
     def imagine(self, start):
-        """Roll the policy out for imag_horizon steps from every start state (N, ...); see `rollout`.
-        REINFORCE needs no gradient through the imagined dynamics: cut there, the rollout records no
-        graph beyond the actor's own outputs."""
+        """Roll the policy out for imag_horizon steps H from every start state (N, ...), in chunks of
+        networks.chunk_length(H) steps (imagine_steps, which compile 'update' compiles as one
+        graph). Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the
+        actor's raw outputs (H+1, N, D) (see `rollout`); the action at the last state is sampled
+        too but never executed."""
+        horizon = self.config.imag_horizon
+        size, state, chunks = networks.chunk_length(horizon), start, []
+        for _ in range(0, horizon, size):
+            state, chunk = self.imagine_steps(state, size)
+            chunks.append(chunk)
+        feat, out, action = act_in(self.wm[0].rssm, self.actor, state)
+        chunks.append((feat[None], {k: v[None] for k, v in state.items()}, action[None], out[None]))
+        feats, states, actions, outs = zip(*chunks)
+        return torch.cat(feats), networks.cat_steps(states, 0), torch.cat(actions), torch.cat(outs)
+
+    def imagine_steps(self, state, steps):
+        """`steps` steps of the rollout from `state` (N, ...); see `rollout`. REINFORCE needs no
+        gradient through the imagined dynamics: cut there, the rollout records no graph beyond the
+        actor's own outputs."""
         through_dynamics = self.config.imag_gradient != "reinforce"
-        return rollout(self.wm[0].rssm, self.actor, start, self.config.imag_horizon, through_dynamics)
+        return rollout(self.wm[0].rssm, self.actor, state, steps, through_dynamics)
 
     def loss(self, start, start_cont):
         """Imagine from the start states (N, ...) with their continue flags (N,) and return the loss
@@ -373,16 +398,22 @@ class ActorCritic(nn.Module):
         returns bootstrap from are computed with its weights detached, and the critic learns from a
         pass of its own on the detached features. The callers freeze the world model where its
         weights would otherwise receive the actor's dynamics gradient (Update.train_step)."""
+        with autocast(self.config), profiled("imagination"):
+            feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
+        return self.imagined_loss(feat, state, action, policy_out, start_cont)
+
+    def imagined_loss(self, feat, state, action, policy_out, start_cont):
+        """`loss` from the imagined trajectories (`imagine`'s outputs, (H+1, N, ...))."""
         config = self.config
         wm = self.wm[0]
         through_dynamics = config.imag_gradient != "reinforce"
         with autocast(config):
             with profiled("imagination"):
-                feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
                 # REINFORCE needs no gradient through the rewards and values of imagined states.
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
                     # Rewards of the states reached, steps 1..H: (H, N).
-                    reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                    reward, reward_metrics = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()},
+                                                            action[1:])
                     value = self.values(feat)  # (H+1, N)
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
@@ -399,7 +430,7 @@ class ActorCritic(nn.Module):
                 critic, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 metrics.update(critic_metrics)
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
-                       imag_value=value.detach().mean())
+                       imag_value=value.detach().mean(), **reward_metrics)
         return {"policy": actor, "value": critic}, returns, metrics
 
     def values(self, feat):
@@ -579,10 +610,10 @@ def step(optimizers, losses, scales):
 
 
 def behavior_regions(behavior, optimizers, replay=False):
-    """What compile 'update' compiles whole of an actor-critic: its imagination loss, with `replay`
-    its replay value loss, its optimizers' steps (`optimizers`, {name: (Optimizer, terms)}) and the
-    slow critic's EMA."""
-    return [(behavior, "loss"), *[(behavior, "replay_loss")] * bool(replay),
+    """What compile 'update' compiles whole of an actor-critic: its imagination in chunks of steps
+    and its loss on the imagined trajectories, with `replay` its replay value loss, its optimizers'
+    steps (`optimizers`, {name: (Optimizer, terms)}) and the slow critic's EMA."""
+    return [(behavior, "imagine_steps"), (behavior, "imagined_loss"), *[(behavior, "replay_loss")] * bool(replay),
             *[(opt.opt, "step") for opt, _ in optimizers.values()], (behavior, "update_slow_critic")]
 
 
@@ -604,9 +635,12 @@ class Update:
         self.sequential = "model" in self.optimizers
 
     def regions(self):
-        """What compile 'update' compiles whole: the three parts' losses, every optimizer's step and
-        the slow critic's EMA."""
-        return [(self.wm, "loss"), *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
+        """What compile 'update' compiles whole: the three parts' losses (the world model's as its
+        encoder, its observe in chunks of steps and its loss terms; the recurrences in chunks, so
+        that no graph grows with batch_length or imag_horizon), every optimizer's step and the slow
+        critic's EMA."""
+        return [(self.wm, "embed"), (self.wm.rssm, "observe_chunk"), (self.wm, "loss_terms"),
+                *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
 
     def train_step(self, batch, data=None):
         """One update on a replayed batch (B, K + T, ...) of numpy arrays with K replay_context
@@ -785,7 +819,17 @@ class ClippedOptimizer(torch.optim.Optimizer):
                         state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         device = self.param_groups[0]["params"][0].device
         self.updates, self.grad_norm = self.updates.to(device), self.grad_norm.to(device)
+        # Static addresses: a compiled step (compile 'update') updates them in place inside its CUDA
+        # graph. CUDA-graph trees would skip the graph of a step that mutates any other input.
+        for tensor in self.state_tensors():
+            torch._dynamo.mark_static_address(tensor)
         self.ready = True
+
+    def state_tensors(self):
+        """Every tensor a step updates in place besides the parameters and their gradients: the
+        moments, the count and the last gradient norm."""
+        moments = [state[key] for state in self.state.values() for key in self.STATE if key in state]
+        return [*moments, self.updates, self.grad_norm]
 
     def rate(self, group):
         """The learning rate of this update: lr, times min(1, updates / warmup) in the warm-up."""
@@ -984,27 +1028,55 @@ CompileError = networks.CompileError  # of both compile modes: a failure is neve
 class Region:
     """One function compiled whole as one graph (fullgraph: a graph break is an error, never a
     silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
-    (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
-    are cloned for the caller (metrics are kept until the log interval)."""
+    (mode 'reduce-overhead', CUDA-graph trees), whose outputs live in memory that the replays of
+    the next step overwrite. A step (an update, a policy call) is marked once, at its beginning
+    (`Step`; a region that is a whole step, `step`, marks itself): never between a forward region
+    and the backward pass that needs its activations. What outlives the step (metrics, latents,
+    actions) is what the step returns, cloned out of that memory; a region keeps nothing else
+    (no attribute set inside it)."""
 
-    def __init__(self, fn, name, cuda_graphs):
-        self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
+    def __init__(self, fn, name, cuda_graphs, step=False):
+        self.eager, self.name, self.cuda_graphs, self.step = fn, name, cuda_graphs, step
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                       mode="reduce-overhead" if cuda_graphs else None)
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
-        if self.cuda_graphs:  # the outputs of the last replay were cloned: their memory may be reused
-            torch.compiler.cudagraph_mark_step_begin()
+        if self.step:
+            begin_step(self.cuda_graphs)
         try:
             result = self.compiled(*args, **kwargs)
         except networks.COMPILE_FAILURES as e:
             raise networks.compile_failure("'update'", self.name, e, "--compile True compiles step by step, "
                                            "--compile False runs eagerly", how=" as one graph") from e
         self.calls += 1
-        if self.cuda_graphs:
-            result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
+        return outlive(result, self.cuda_graphs) if self.step else result
+
+
+class Step:
+    """A step of several regions (an update: forward regions, one backward pass, the optimizers'
+    steps), marked and cloned as Region describes."""
+
+    def __init__(self, fn, cuda_graphs):
+        self.fn, self.cuda_graphs = fn, cuda_graphs
+
+    def __call__(self, *args, **kwargs):
+        begin_step(self.cuda_graphs)
+        return outlive(self.fn(*args, **kwargs), self.cuda_graphs)
+
+
+def begin_step(cuda_graphs):
+    """Mark the beginning of a step for CUDA-graph trees: the outputs of the last step's replays
+    may be overwritten from here on."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def outlive(result, cuda_graphs):
+    """The tensors of a step's `result`, cloned out of the CUDA graphs' memory (on CUDA)."""
+    if not cuda_graphs:
         return result
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
 
 
 def compile_steps(agent, bodies):
@@ -1032,6 +1104,11 @@ def compile_steps(agent, bodies):
     return compiled
 
 
+def captures_cuda_graphs(config):
+    """Whether compile 'update' captures its regions as CUDA graphs: on CUDA."""
+    return torch.device(config.device).type == "cuda"
+
+
 def compile_update(agent, bodies=None):
     """compile 'update': every update as a few whole graphs, as few as its autograd structure
     allows. Each loss region (the world model's, the actor-critic's, their sum in update 'joint',
@@ -1041,7 +1118,7 @@ def compile_update(agent, bodies=None):
     critic's EMA is a region too, and so is the policy step. The 64-step observe and the
     imagination are unrolled into their graphs. Nothing inside reads a value back to the host, so
     that on CUDA each region is captured as a CUDA graph. Returns the regions."""
-    cuda_graphs = torch.device(agent.config.device).type == "cuda"
+    cuda_graphs = captures_cuda_graphs(agent.config)
     # An update's regions run each with one set of shapes; a few variants (the policy's batch of
     # training and evaluation environments, with and without gradients) stay within the limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
@@ -1049,9 +1126,11 @@ def compile_update(agent, bodies=None):
     regions = []
     for owner, method in agent.regions():
         name = f"{type(owner).__name__}.{method}"
-        region = Region(getattr(owner, method), name, cuda_graphs)
+        # The policy step is one region, a step of its own; an update is a Step of many.
+        region = Region(getattr(owner, method), name, cuda_graphs, step=(owner, method) == (agent, "act"))
         setattr(owner, method, region)  # an instance attribute: the class's method stays eager
         regions.append(region)
+    agent.update.train_step = Step(agent.update.train_step, cuda_graphs)
     return regions
 
 
