@@ -26,11 +26,14 @@ import typing
 import numpy as np
 import torch
 
+import compilation
 import envs
 import exploration
 import launch
 import models
 import networks
+import optim
+import precision
 import storage
 import tools
 
@@ -94,7 +97,7 @@ def offline(flat):
 
 
 def learning_rate(v, flat):
-    """Every optimizer is adaptive (models.OPTIMIZERS), so an update moves each weight by about the
+    """Every optimizer is adaptive (optim.OPTIMIZERS), so an update moves each weight by about the
     learning rate: above 1 the weights overflow within a few updates."""
     return 0 < v <= 1
 
@@ -127,7 +130,7 @@ SCHEMA = {
     "encoder.cnn": Key(choices=tuple(networks.IMAGE_ENCODERS)),
     "decoder.cnn": Key(choices=("transposed", "upsample")),
     "decoder.vector_dist": Key(choices=tuple(networks.VECTOR_DISTS)),
-    "actor.dist": Key(choices=("auto", *networks.ACTOR_DISTS)),  # auto: settled by models.resolve_auto
+    "actor.dist": Key(choices=("auto", *networks.ACTOR_DISTS)),  # auto: settled by compilation.resolve_auto
     "dyn_img_layers": Key(range=(at_least(1), WHOLE.format(1))),
     "dyn_blocks": Key(range=(lambda v, flat: v >= 1 and (flat.get("dyn_cell") != "blockgru"
                                                          or flat.get("dyn_deter", v) % v == 0),
@@ -155,10 +158,10 @@ SCHEMA = {
     "decoder.mlp_keys": Key(range=REGEX),
     "decoder.cnn_keys": Key(range=REGEX),
     # models.py; compiling computes the same update, so compile may change on resume
-    "precision": Key(choices=models.PRECISIONS),
-    "opt": Key(choices=tuple(models.OPTIMIZERS)),
+    "precision": Key(choices=precision.PRECISIONS),
+    "opt": Key(choices=tuple(optim.OPTIMIZERS)),
     "update": Key(choices=tuple(models.UPDATES)),
-    "compile": Key(choices=("auto", *models.COMPILERS), free=True),
+    "compile": Key(choices=("auto", *compilation.COMPILERS), free=True),
     "imag_gradient": Key(choices=("auto", "dynamics", "reinforce", "both")),
     "critic.dist": Key(choices=models.VALUE_DISTS),
     "reward_head.dist": Key(choices=models.VALUE_DISTS),
@@ -600,7 +603,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
     """The start-up summary: what runs where, what differs from defaults, how big the model is and,
     given the stored step's `spec` (storage.episode_spec with the replay context's latents), what the
     run will cost. `weights`: the task weights the training environments were made with
-    (Resources.weights()); `resolved`: the keys that were 'auto' (models.resolve_auto; by default
+    (Resources.weights()); `resolved`: the keys that were 'auto' (compilation.resolve_auto; by default
     those the agent settled)."""
     resolved = agent.resolved if resolved is None else resolved
     defaults = tools.flatten(load_presets()["defaults"])
@@ -619,7 +622,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
                                   f"{agent.act_size}, the widest task's)" if per_task else ""),
         f"Device: {config.device}" + (f" ({device_note})" if device_note else ""),
         "Compile: " + compile_note(config, resolved.get("compile")),
-        "Precision: " + models.precision_note(config),
+        "Precision: " + precision.precision_note(config),
         "Actor: " + actor_note(config, resolved),
         f"Environments: {config.envs} ({'parallel processes' if config.parallel else 'in-process'})"
         + (" per process" if ranks is not None and ranks.world_size > 1 else ""),
@@ -635,7 +638,7 @@ def summary(config, agent, device_note, resumed_step, ranks=None, weights=None, 
 
 
 def compile_note(config, auto=None):
-    """What `compile` runs, what it gains and costs, and with `auto` (models.compile_choice's reason;
+    """What `compile` runs, what it gains and costs, and with `auto` (compilation.compile_choice's reason;
     None when the value was asked for) why it settled so."""
     if not config.compile:
         return f"off (auto: {auto}; --compile True compiles)" if auto is not None else "off"
@@ -650,7 +653,7 @@ def compile_note(config, auto=None):
                 "grows with batch_length and imag_horizon")
     gain = gain if cpu else "the first updates include compilation"
     reason = f"auto: {auto}; " if auto is not None else ""
-    # The one compile-failure policy (networks.CompileError): what cannot be compiled is an error.
+    # The one compile-failure policy (compilation.CompileError): what cannot be compiled is an error.
     return f"{what} ({reason}{gain}; {other}; --compile False turns it off; a failure to compile stops the run)"
 
 

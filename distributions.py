@@ -23,8 +23,9 @@ import torch.nn.functional as F
 # Each sample draws its noise through `uniform` and `normal`. By default from torch's global
 # generator, exactly as torch.rand and Normal.rsample would (a run alone is unchanged). Several seeds
 # in one process (seeds.py) give each seed's thread its own generator (`generator`), and the batched
-# update replays each seed's noise from a tape drawn up front (`Tape`): inside torch.func.vmap no
-# per-seed generator can be called, so the same numbers are drawn before it, in the same order.
+# update replays each seed's noise from a tape drawn up front (seeds.Tape, set by `tape`): inside
+# torch.func.vmap no per-seed generator can be called, so the same numbers are drawn before it, in
+# the same order.
 _local = threading.local()
 
 
@@ -49,7 +50,8 @@ def current_generator():
 
 
 def tape(source):
-    """Take the noise of this thread's samples from `source` (a Tape) in the block."""
+    """Take the noise of this thread's samples from `source` (a seeds.Tape: `source.take(kind,
+    shape, device)`, kind 'uniform' or 'normal') in the block."""
     return _thread_setting("tape", source)
 
 
@@ -67,47 +69,6 @@ def normal(shape, device):
     if source is not None:
         return source.take("normal", tuple(shape), device)
     return torch.empty(shape, device=device).normal_(generator=getattr(_local, "generator", None))
-
-
-DRAWS = {"uniform": lambda shape, device, gen: torch.rand(shape, device=device, generator=gen),
-         "normal": lambda shape, device, gen: torch.empty(shape, device=device).normal_(generator=gen)}
-
-
-class Tape:
-    """The noise of one computation, in the order it is taken. Recording (`values` None), `take`
-    notes each draw's kind and shape and returns zeros, drawing nothing; `draw` then draws the
-    noise of those draws from a generator, in that order, as a flat (total,) tensor per kind; a
-    tape given those (`values`, one seed's slice inside vmap) hands them out in the same order."""
-
-    def __init__(self, values=None):
-        self.values, self.draws, self.offsets = values, [], {kind: 0 for kind in DRAWS}
-
-    def take(self, kind, shape, device):
-        if self.values is None:
-            self.draws.append((kind, shape))
-            return torch.zeros(shape, device=device)  # on the sample's device: the recording pass runs there
-        count = 1
-        for size in shape:
-            count *= size
-        start = self.offsets[kind]
-        self.offsets[kind] = start + count
-        return self.values[kind][start:start + count].reshape(shape)
-
-    @staticmethod
-    def draw(draws, gen, device):
-        """{kind: (total,)} noise for the recorded `draws` [(kind, shape)], from `gen`."""
-        parts = {kind: [] for kind in DRAWS}
-        for kind, shape in draws:
-            parts[kind].append(DRAWS[kind](shape, device, gen).flatten())
-        return {kind: torch.cat(found) if found else torch.zeros(0, device=device) for kind, found in parts.items()}
-
-    @staticmethod
-    def zeros(draws, device):
-        """Zeros in the place of `draw`'s noise, drawing nothing."""
-        totals = {kind: 0 for kind in DRAWS}
-        for kind, shape in draws:
-            totals[kind] += torch.Size(shape).numel()
-        return {kind: torch.zeros(total, device=device) for kind, total in totals.items()}
 
 
 def symlog(x):

@@ -4,7 +4,7 @@
 
 It reads top to bottom in the order a run goes: `main` parses and checks the command line
 (`setup`), takes the logdir's lock, sizes the resources (resources.Resources), builds the
-environments (parallel.make_envs), settles every `auto` value (models.resolve_auto), builds the
+environments (parallel.make_envs), settles every `auto` value (compilation.resolve_auto), builds the
 agent (`Dreamer`) and hands it to the `Trainer`, whose loop (`Trainer.train`) reads in the order
 it runs: count, evaluate, log and save when due, collect, train by the ratio (asynchronously, a
 collector thread collects: parallel.CollectorThread); its checkpoint (storage.Checkpoints), logs
@@ -29,6 +29,7 @@ import traceback
 import torch
 from torch import nn
 
+import compilation
 import config as cfg
 import distributions
 import envs
@@ -129,7 +130,7 @@ def setup(argv):
 def run_processes(config, logdir, device_note, changed, ranks):
     """Build the run on this process (one of `ranks`) and train; the config is settled here, once:
     the device of this rank, --envs/--parallel auto (Resources), the actor and compile auto from the
-    action space and device (models.resolve_auto). It is printed and saved, and read-only after."""
+    action space and device (compilation.resolve_auto). It is printed and saved, and read-only after."""
     config = config.replace(device=ranks.device(config.device))
     if config.seeds > 1:
         return run_seeds(config, logdir, device_note, changed, ranks)
@@ -161,7 +162,7 @@ def run_processes(config, logdir, device_note, changed, ranks):
         if not train_envs and not eval_envs:
             raise tools.ConfigError("Nothing to act in: offline training and --eval_only need --eval_episode_num > 0")
         env = (train_envs or eval_envs)[0]
-        config, resolved = models.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
+        config, resolved = compilation.resolve_auto(config, env.act_space, env.obs_space)  # the last 'auto' keys
         check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
@@ -239,7 +240,7 @@ def run_seeds(config, logdir, device_note, changed, ranks):
                 eval_envs = parallel.make_envs(own, "eval", eval_count) if eval_count else []
                 seed_envs[-1] += eval_envs
                 env = train_envs[0]
-                own, resolved = models.resolve_auto(own, env.act_space, env.obs_space)
+                own, resolved = compilation.resolve_auto(own, env.act_space, env.obs_space)
                 check_memory(own, env.obs_space, env.act_space)
                 agent = Dreamer(env.obs_space, env.act_space, own).to(own.device)
             except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
@@ -322,7 +323,7 @@ class Dreamer(nn.Module):
         super().__init__()
         # A config settled by main settles to itself; one straight from parse (tests, benchmarks)
         # gets its 'auto' keys settled here, before anything is built.
-        config, self.resolved = models.resolve_auto(config, act_space, obs_space)
+        config, self.resolved = compilation.resolve_auto(config, act_space, obs_space)
         self.config = config
         self.act_size = act_space.shape[0]
         self.wm = models.WorldModel(obs_space, act_space, config)
@@ -331,11 +332,11 @@ class Dreamer(nn.Module):
         self.expl_behavior = exploration.make_behavior(config, self.wm, act_space)
         # The whole update of every learner: self.update.train_step(batch) (models.Update).
         self.update = models.Update(config, self.wm, self.task_behavior, self.context, self.expl_behavior)
-        compiler = models.COMPILERS[config.compile]
+        compiler = compilation.COMPILERS[config.compile]
         self.compiled = compiler(self, networks.COMPILED + exploration.COMPILED) if compiler else []
 
     def regions(self):
-        """What compile 'update' compiles whole (models.compile_update): (owner, method name) of the
+        """What compile 'update' compiles whole (compilation.compile_update): (owner, method name) of the
         update strategy's regions (its losses, optimizer steps and slow critic), the exploration's,
         and the policy step."""
         regions = [*self.update.regions(), (self, "act")]

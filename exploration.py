@@ -13,6 +13,8 @@ import distributions
 import launch
 import models
 import networks
+import optim
+import precision
 
 
 class Random(nn.Module):
@@ -90,9 +92,9 @@ class Plan2Explore(nn.Module):
         inp = rssm.feat_size + (act_space.shape[0] if config.disag_action_cond else 0)
         self.ensemble = Ensemble(config.disag_models, inp, self.target_size, config.disag_layers,
                                  config.disag_units, config.act)
-        self.optimizer = models.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
-                                          config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
-                                          warmup=config.warmup)
+        self.optimizer = optim.Optimizer("expl_ensemble", self.ensemble.parameters(), config.model_lr,
+                                         config.opt_eps, config.grad_clip, opt=config.opt, agc=config.agc,
+                                         warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
         self.optimizers = models.behavior_optimizers(config, self.behavior)  # {name: (Optimizer, terms)}
 
@@ -165,7 +167,7 @@ class Plan2Explore(nn.Module):
         return (error * valid.reshape(-1)).sum() / count.clamp(min=1)
 
     def regions(self):
-        """What compile 'update' compiles whole (models.compile_update): the ensemble's loss and
+        """What compile 'update' compiles whole (compilation.compile_update): the ensemble's loss and
         optimizer step, and the exploration actor-critic's (models.behavior_regions)."""
         return [(self, "ensemble_loss"), (self.optimizer.opt, "step"),
                 *models.behavior_regions(self.behavior, self.optimizers)]
@@ -181,7 +183,7 @@ class Plan2Explore(nn.Module):
         # weights need none.
         with models.frozen(self.wm[0], self.ensemble):
             terms, behavior_metrics = models.behavior_losses(behavior, post, data, replay=False)
-        with models.profiled("actor_critic_backward"), models.autocast(self.config):
+        with models.profiled("actor_critic_backward"), precision.autocast(self.config):
             behavior_metrics.update(models.step(self.optimizers, terms, self.wm[0].scales))
         behavior.update_slow_critic()
         metrics.update({behavior.prefix + k: v for k, v in behavior_metrics.items()})

@@ -1,10 +1,10 @@
 """The world model and the actor-critic that learns inside it (Sections 2 and 3 of the paper).
 
-In the order a reader looks for them: precision and profiling helpers, 1. the world model and the
-one table of loss scales, 2. the λ-return and return normalisation, 3. the actor-critic, 4. the
-update: `Update.train_step`, the whole loss in the official order (# World model, # Imagination,
-# Replay) and the optimizers each update mode steps it with, 5. the replay context, 6. optimizers,
-7. compilation, and last the choices this module owns and the settling of their `auto` values.
+In the order a reader looks for them: 1. the world model and the one table of loss scales, 2. the
+λ-return and return normalisation, 3. the actor-critic, 4. the update: `Update.train_step`, the
+whole loss in the official order (# World model, # Imagination, # Replay) and the optimizers each
+update mode steps it with, 5. the replay context. The optimizers live in optim.py, the dtypes in
+precision.py, compilation and the settling of `auto` values in compilation.py.
 """
 
 import contextlib
@@ -16,11 +16,13 @@ from torch import nn
 
 import launch
 import networks
+import optim
+import precision
 import storage
 import tools
 
 # ==================================================================================================
-# Precision and profiling
+# Helpers of the update
 # ==================================================================================================
 
 
@@ -42,45 +44,6 @@ def profiled(name):
     """Label a phase of the update for torch.profiler (benchmarks/train_speed.py); nearly free
     when no profiler runs."""
     return torch.profiler.record_function(name)
-
-
-PRECISIONS = (16, 32, "bf16")  # config.precision
-
-
-def compute_dtype(config):
-    """The dtype the update computes in under `precision`: None for 32 (no autocast); bfloat16 for
-    bf16 on any device (the official code's compute type); float16 for 16 on CUDA, bfloat16 for 16
-    on a CPU (float16 matmuls are slow there, and bfloat16 needs no scaler)."""
-    if config.precision == 32:
-        return None
-    cuda = torch.device(config.device).type == "cuda"
-    return torch.float16 if config.precision == 16 and cuda else torch.bfloat16
-
-
-def autocast(config):
-    """Autocast to compute_dtype(config); a no-op for precision 32. Parameters, optimizer moments,
-    normalisation statistics (networks.LayerNorm, RMSNorm, ReturnNorm) and distribution parameters
-    (the tools distributions) stay float32."""
-    dtype = compute_dtype(config)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(config.device).type, dtype=dtype)
-
-
-def use_scaler(config):
-    """A gradient scaler only for float16 (precision 16 on CUDA): bfloat16 has float32's range."""
-    return config.precision == 16 and torch.device(config.device).type == "cuda"
-
-
-def precision_note(config):
-    """The start-up summary's line on what runs under `precision`."""
-    dtype = compute_dtype(config)
-    if dtype is None:
-        return f"{config.precision} (float32)"
-    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    where = " on a CPU" if config.precision == 16 and torch.device(config.device).type != "cuda" else ""
-    scaler = "gradient scaler" if use_scaler(config) else "no scaler"
-    return f"{config.precision} ({name} autocast{where}, {scaler}; parameters float32)"
 
 
 VALUE_DISTS = ("symlog_disc", "symexp_twohot", "symlog_mse")  # reward and critic heads
@@ -394,11 +357,11 @@ class ActorCritic(nn.Module):
         its start state), the λ-returns (H, N) and metrics, without stepping.
 
         The two terms send gradients only into their own network, so that one backward pass of
-        their sum serves both optimizers (models.optimize): the critic's values that the actor's
+        their sum serves both optimizers (optim.optimize): the critic's values that the actor's
         returns bootstrap from are computed with its weights detached, and the critic learns from a
         pass of its own on the detached features. The callers freeze the world model where its
         weights would otherwise receive the actor's dynamics gradient (Update.train_step)."""
-        with autocast(self.config), profiled("imagination"):
+        with precision.autocast(self.config), profiled("imagination"):
             feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
         return self.imagined_loss(feat, state, action, policy_out, start_cont)
 
@@ -407,7 +370,7 @@ class ActorCritic(nn.Module):
         config = self.config
         wm = self.wm[0]
         through_dynamics = config.imag_gradient != "reinforce"
-        with autocast(config):
+        with precision.autocast(config):
             with profiled("imagination"):
                 # REINFORCE needs no gradient through the rewards and values of imagined states.
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
@@ -523,22 +486,22 @@ def behavior_optimizers(config, behavior):
     """An actor's and a critic's optimizers ({name: (Optimizer, its terms)}), with their own
     settings (actor.lr, actor.eps, actor.grad_clip and the critic's), each stepping its terms of
     LOSS_TERMS (the critic's: value and the replay value loss)."""
-    scaler, schedule = use_scaler(config), {"agc": config.agc, "warmup": config.warmup}
+    scaler, schedule = precision.use_scaler(config), {"agc": config.agc, "warmup": config.warmup}
     scales = behavior.wm[0].scales
-    return {"actor": (Optimizer("actor", behavior.actor.parameters(), config.actor.lr, config.actor.eps,
-                                config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
+    return {"actor": (optim.Optimizer("actor", behavior.actor.parameters(), config.actor.lr, config.actor.eps,
+                                      config.actor.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
                       terms_of("actor", scales)),
-            "critic": (Optimizer("critic", behavior.critic.parameters(), config.critic.lr, config.critic.eps,
-                                 config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
+            "critic": (optim.Optimizer("critic", behavior.critic.parameters(), config.critic.lr, config.critic.eps,
+                                       config.critic.grad_clip, opt=config.opt, use_scaler=scaler, **schedule),
                        terms_of("critic", scales))}
 
 
 def sequential_optimizers(config, world_model, behavior):
     """update 'sequential' (the paper's): one optimizer per network, the world model's with
     model_lr, opt_eps, grad_clip and weight_decay."""
-    model = Optimizer("model", world_model.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
-                      config.weight_decay, config.opt, use_scaler=use_scaler(config), agc=config.agc,
-                      warmup=config.warmup)
+    model = optim.Optimizer("model", world_model.parameters(), config.model_lr, config.opt_eps, config.grad_clip,
+                            config.weight_decay, config.opt, use_scaler=precision.use_scaler(config), agc=config.agc,
+                            warmup=config.warmup)
     return {"model": (model, world_model.terms), **behavior_optimizers(config, behavior)}
 
 
@@ -551,8 +514,8 @@ def joint_optimizers(config, world_model, behavior):
         raise tools.ConfigError(f"Invalid value '{config.imag_gradient}' for --imag_gradient: --update joint needs "
                                 "reinforce (a dynamics gradient would train the world model through imagination)")
     params = [*world_model.parameters(), *behavior.actor.parameters(), *behavior.critic.parameters()]
-    joint = Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip, config.weight_decay,
-                      config.opt, use_scaler(config), config.agc, config.warmup)
+    joint = optim.Optimizer("joint", params, config.model_lr, config.opt_eps, config.grad_clip, config.weight_decay,
+                            config.opt, precision.use_scaler(config), config.agc, config.warmup)
     return {"joint": (joint, None)}  # None: every term
 
 
@@ -606,7 +569,7 @@ def scaled_sum(losses, scales, terms=None):
 def step(optimizers, losses, scales):
     """One backward pass and every optimizer's step, each on the scaled sum of its terms
     ({name: (Optimizer, terms)}); returns their metrics (<name>_loss, <name>_grad_norm)."""
-    return optimize({opt: scaled_sum(losses, scales, terms) for opt, terms in optimizers.values()})
+    return optim.optimize({opt: scaled_sum(losses, scales, terms) for opt, terms in optimizers.values()})
 
 
 def behavior_regions(behavior, optimizers, replay=False):
@@ -653,7 +616,7 @@ class Update:
         latent, data = self.context.split(data)  # the stored start latent (None: the initial state)
         size, length = data["is_first"].shape
         losses = {}
-        with autocast(config):
+        with precision.autocast(config):
             # World model
             with profiled("world_model"):
                 terms, post, embed, metrics = wm.loss(data, latent)  # {term: (B, T)}
@@ -766,475 +729,3 @@ class ReplayContext:
         ids = np.array(ids)
         ids[:, 1] += self.steps
         replay.update(ids, latents)
-
-
-
-# ==================================================================================================
-# 6. Optimizers
-# ==================================================================================================
-
-
-class ClippedOptimizer(torch.optim.Optimizer):
-    """The base of Adam, AdamW and LaProp here: each `step` clips the gradients (a global norm
-    `clip`, 0 for none, and/or adaptive clipping `agc`, 0 for none), ramps the learning rate up
-    over `warmup` updates (the first update has rate 0, as in the official code) and then updates
-    every parameter with a gradient, all in a few multi-tensor (`torch._foreach_*`) operations.
-
-    Every number that changes between updates is a tensor on the parameters' device: the count of
-    steps taken (`updates`, which the bias corrections and the warm-up read) and `grad_norm`, the
-    last step's norm before clipping. So a compiled `step` (compile 'update') is one graph that
-    neither reads a value back to the host nor recompiles. The moments are kept per parameter
-    under torch.optim.Adam's names; the step count is one for all (torch keeps one per parameter,
-    equal for parameters that get a gradient at every step, as all of these do).
-    """
-
-    STATE = ()  # the moment buffers per parameter
-
-    def __init__(self, params, lr, eps, betas, weight_decay, clip=0.0, agc=0.0, warmup=0):
-        super().__init__(params, dict(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay))
-        self.clip, self.agc, self.warmup = clip, agc, warmup
-        self.updates = torch.zeros((), dtype=torch.int64)  # moved to the parameters' device by init_state
-        self.grad_norm = torch.zeros(())
-        self.ready = False  # whether init_state ran since construction or loading
-
-    def __getstate__(self):  # torch.optim.Optimizer's keeps only its own attributes: a copy would lose these
-        return dict(self.__dict__)
-
-    def load_state_dict(self, state_dict):
-        """Also a torch.optim.Adam state: its per-parameter step counts give the count."""
-        super().load_state_dict(state_dict)
-        steps = [float(state.pop("step")) for state in self.state.values() if "step" in state]
-        if steps:
-            self.updates = torch.tensor(int(max(steps)))
-        self.ready = False
-
-    def init_state(self):
-        """Create the moments of every parameter and move the counters to the parameters' device,
-        before the first step and outside any compiled region; a loaded state is kept."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                for key in self.STATE:
-                    if key not in state:
-                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        device = self.param_groups[0]["params"][0].device
-        self.updates, self.grad_norm = self.updates.to(device), self.grad_norm.to(device)
-        # Static addresses: a compiled step (compile 'update') updates them in place inside its CUDA
-        # graph. CUDA-graph trees would skip the graph of a step that mutates any other input.
-        for tensor in self.state_tensors():
-            torch._dynamo.mark_static_address(tensor)
-        self.ready = True
-
-    def state_tensors(self):
-        """Every tensor a step updates in place besides the parameters and their gradients: the
-        moments, the count and the last gradient norm."""
-        moments = [state[key] for state in self.state.values() for key in self.STATE if key in state]
-        return [*moments, self.updates, self.grad_norm]
-
-    def rate(self, group):
-        """The learning rate of this update: lr, times min(1, updates / warmup) in the warm-up."""
-        if not self.warmup:
-            return group["lr"]
-        return group["lr"] * torch.clamp(self.updates.float() / self.warmup, max=1.0)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if not self.ready:  # compile 'update' runs it before the first compiled step
-            self.init_state()
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        # In place: a compiled step mutates its inputs, and sets no attributes.
-        if grads:
-            self.grad_norm.copy_(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-        else:
-            self.grad_norm.zero_()
-        if self.clip:  # torch.nn.utils.clip_grad_norm_'s rule
-            torch._foreach_mul_(grads, torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))
-        if self.agc:
-            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            agc_(params, grads, self.agc)
-        count = (self.updates + 1).double()  # this step's number, t = 1, 2, ...
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                state = [self.state[p] for p in params]
-                self.update(group, self.rate(group), count, params, [p.grad for p in params],
-                            *[[s[key] for s in state] for key in self.STATE])
-        self.updates.add_(1)
-
-    @staticmethod
-    def bias_correction(beta, count):
-        """1 - beta ** t as a float64 tensor, so that it loses nothing (a 0-dim tensor does not
-        change the dtype of the moments it scales)."""
-        return 1 - torch.pow(beta, count)
-
-
-def agc_(params, grads, clip, floor=1e-3):
-    """Adaptive gradient clipping, per tensor: scale each gradient down to at most
-    clip * max(floor, |param|) in L2 norm (the 2024 recipe, with clip 0.3)."""
-    upper = clip * torch.clamp(torch.stack(torch._foreach_norm(params)), min=floor)
-    scale = 1 / torch.clamp(torch.stack(torch._foreach_norm(grads)) / upper, min=1.0)
-    torch._foreach_mul_(grads, list(scale.unbind()))
-
-
-class Adam(ClippedOptimizer):
-    """Adam (Kingma and Ba 2015), as torch.optim.Adam computes it; `decoupled` weight decay makes
-    it AdamW (Loshchilov and Hutter 2019)."""
-
-    STATE = ("exp_avg", "exp_avg_sq")
-    decoupled = False
-
-    def update(self, group, lr, count, params, grads, exp_avg, exp_avg_sq):
-        beta1, beta2 = group["betas"]
-        if group["weight_decay"] and self.decoupled:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        elif group["weight_decay"]:
-            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
-        # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-        denom = torch._foreach_sqrt(exp_avg_sq)
-        torch._foreach_div_(denom, torch.sqrt(self.bias_correction(beta2, count)))
-        torch._foreach_add_(denom, group["eps"])
-        torch._foreach_mul_(denom, self.bias_correction(beta1, count) / lr)  # divided by the step size
-        torch._foreach_addcdiv_(params, exp_avg, denom, value=-1.0)
-
-
-class AdamW(Adam):
-    decoupled = True
-
-
-class LaProp(ClippedOptimizer):
-    """LaProp (Ziyin et al. 2020), the 2024 recipe's optimizer: each gradient is divided by the
-    root of its bias-corrected second-moment EMA first, and the momentum averages these
-    normalised steps (Adam averages the raw gradients, then divides):
-
-        nu = b2 nu + (1 - b2) g^2,   u = g / (sqrt(nu / (1 - b2^t)) + eps),
-        mu = b1 mu + (1 - b1) u,     p -= lr (mu / (1 - b1^t) + weight_decay p).
-    """
-
-    STATE = ("nu", "mu")
-
-    def update(self, group, lr, count, params, grads, nu, mu):
-        beta1, beta2 = group["betas"]
-        torch._foreach_mul_(nu, beta2)
-        torch._foreach_addcmul_(nu, grads, grads, 1 - beta2)
-        denom = torch._foreach_div(nu, self.bias_correction(beta2, count))
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, group["eps"])
-        torch._foreach_lerp_(mu, torch._foreach_div(grads, denom), 1 - beta1)
-        update = torch._foreach_div(mu, self.bias_correction(beta1, count))
-        if group["weight_decay"]:
-            torch._foreach_add_(update, params, alpha=group["weight_decay"])
-        torch._foreach_mul_(update, lr)
-        torch._foreach_sub_(params, update)
-
-
-OPTIMIZERS = {"adam": Adam, "adamw": AdamW, "laprop": LaProp}
-
-
-class Optimizer:
-    """One learner's optimizer (config `opt`: Adam, AdamW or LaProp) with its clipping, warm-up
-    (see ClippedOptimizer) and, for float16, a gradient scaler.
-
-    `optimize({optimizer: loss, ...})` steps several learners on one backward pass; calling an
-    Optimizer on a loss steps it alone. Metrics stay tensors so that an update never waits on the
-    device.
-
-    Under torchrun `ranks` (see Dreamer.distribute) averages the gradients over processes between
-    the backward pass and the clipping: an explicit all-reduce of the flattened gradients rather than
-    DistributedDataParallel, because the losses backpropagate into chosen parameters only
-    (`backward(inputs=...)`), which DDP's hooks on whole modules do not model. Clipping and the
-    scaler then see the averaged gradient.
-    """
-
-    ranks = launch.SingleProcess()
-
-    SETTINGS = ("lr", "eps", "weight_decay")  # taken from the config, also on resume
-
-    def __init__(self, name, params, lr, eps, clip, weight_decay=0.0, opt="adam", use_scaler=False, agc=0.0,
-                 warmup=0):
-        self.name, self.clip, self.agc, self.warmup, self.lr = name, clip, agc, warmup, lr
-        self.params = [p for p in params if p.requires_grad]
-        self.opt = OPTIMIZERS[opt](self.params, lr, eps, (0.9, 0.999), weight_decay, clip, agc, warmup)
-        self.scaler = torch.amp.GradScaler(enabled=use_scaler)
-
-    @property
-    def updates(self):  # for the warm-up; saved in state_dict
-        return int(self.opt.updates)
-
-    def __call__(self, loss):
-        """Backpropagate `loss` into this optimizer's parameters only (no gradient is computed for
-        any other module the loss depends on), clip and step."""
-        return optimize({self: loss})
-
-    def step(self, loss):
-        """After the backward pass: average over processes, unscale, clip and step; metrics."""
-        if not self.opt.ready:
-            self.opt.init_state()
-        self.ranks.average_(p.grad for p in self.params if p.grad is not None)
-        self.scaler.unscale_(self.opt)
-        self.scaler.step(self.opt)  # opt.step, skipped by the float16 scaler on an overflow
-        self.scaler.update()
-        return {f"{self.name}_loss": loss.detach(), f"{self.name}_grad_norm": self.opt.grad_norm.clone()}
-
-    def state_dict(self):
-        return {"opt": self.opt.state_dict(), "scaler": self.scaler.state_dict(), "updates": self.updates,
-                "base_lr": self.lr}
-
-    def load_state_dict(self, state):
-        """Load the moments and step counts, but keep this run's settings (lr, eps, weight decay):
-        a user who changed them on resume means them. Returns one line per setting that differs
-        from the saved one."""
-        settings = [{k: group[k] for k in self.SETTINGS} for group in self.opt.param_groups]
-        self.opt.load_state_dict(state["opt"])
-        self.scaler.load_state_dict(state["scaler"])
-        if "updates" in state:  # checkpoints from before the warm-up have none (the moments' step counts serve)
-            self.opt.updates = torch.tensor(state["updates"])
-        changes = []
-        for group, current in zip(self.opt.param_groups, settings):
-            if "base_lr" in state:  # older checkpoints saved a ramped rate mid warm-up: compare the target
-                group["lr"] = state["base_lr"]
-            for key, value in current.items():
-                if group[key] != value:
-                    changes.append(f"{self.name} {key} {group[key]:g} -> {value:g}")
-                group[key] = value
-        return changes
-
-
-def optimize(losses):
-    """One backward pass of the sum of `losses` ({Optimizer: loss}) into the parameters of their
-    optimizers only, then each optimizer's step. The losses must not send gradients into each
-    other's parameters (ActorCritic.loss keeps the actor's and the critic's apart), since
-    each optimizer takes every gradient its parameters receive. Returns the metrics of all."""
-    params = [p for opt in losses for p in opt.params]
-    for opt in losses:
-        opt.opt.zero_grad(set_to_none=True)
-    sum(opt.scaler.scale(loss) for opt, loss in losses.items()).backward(inputs=params)
-    metrics = {}
-    for opt, loss in losses.items():
-        metrics.update(opt.step(loss))
-    return metrics
-
-
-# ==================================================================================================
-# 7. Compilation: `compile True` (step by step) and `compile update` (the whole update)
-# ==================================================================================================
-
-
-CompileError = networks.CompileError  # of both compile modes: a failure is never an eager fallback
-
-
-class Region:
-    """One function compiled whole as one graph (fullgraph: a graph break is an error, never a
-    silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
-    (mode 'reduce-overhead', CUDA-graph trees), whose outputs live in memory that the replays of
-    the next step overwrite. A step (an update, a policy call) is marked once, at its beginning
-    (`Step`; a region that is a whole step, `step`, marks itself): never between a forward region
-    and the backward pass that needs its activations. What outlives the step (metrics, latents,
-    actions) is what the step returns, cloned out of that memory; a region keeps nothing else
-    (no attribute set inside it)."""
-
-    def __init__(self, fn, name, cuda_graphs, step=False):
-        self.eager, self.name, self.cuda_graphs, self.step = fn, name, cuda_graphs, step
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if cuda_graphs else None)
-        self.calls = 0
-
-    def __call__(self, *args, **kwargs):
-        if self.step:
-            begin_step(self.cuda_graphs)
-        try:
-            result = self.compiled(*args, **kwargs)
-        except networks.COMPILE_FAILURES as e:
-            raise networks.compile_failure("'update'", self.name, e, "--compile True compiles step by step, "
-                                           "--compile False runs eagerly", how=" as one graph") from e
-        self.calls += 1
-        return outlive(result, self.cuda_graphs) if self.step else result
-
-
-class Step:
-    """A step of several regions (an update: forward regions, one backward pass, the optimizers'
-    steps), marked and cloned as Region describes."""
-
-    def __init__(self, fn, cuda_graphs):
-        self.fn, self.cuda_graphs = fn, cuda_graphs
-
-    def __call__(self, *args, **kwargs):
-        begin_step(self.cuda_graphs)
-        return outlive(self.fn(*args, **kwargs), self.cuda_graphs)
-
-
-def begin_step(cuda_graphs):
-    """Mark the beginning of a step for CUDA-graph trees: the outputs of the last step's replays
-    may be overwritten from here on."""
-    if cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
-
-
-def outlive(result, cuda_graphs):
-    """The tensors of a step's `result`, cloned out of the CUDA graphs' memory (on CUDA)."""
-    if not cuda_graphs:
-        return result
-    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
-
-
-def compile_steps(agent, bodies):
-    """compile True: the functions that do the work of every update and every policy step, each
-    compiled on its own: the RSSM transitions (run once per time step) and the bodies of every
-    network a preset builds (`bodies`: networks.COMPILED and exploration.COMPILED). Between them
-    the update runs eagerly, one kernel per operator. Returns the compiled functions."""
-    # One MLP.forward serves every MLP, each seen with and without gradients and with its own
-    # input shapes: about twenty variants, beyond dynamo's default limit of 8 per function
-    # (past which the rest would silently run eagerly).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
-    rssm = agent.wm.rssm
-    rssm.img_step = networks.Compiled(rssm.img_step, "rssm.img_step")
-    rssm.obs_step = networks.Compiled(rssm.obs_step, "rssm.obs_step")
-    compiled = [rssm.img_step, rssm.obs_step]
-    for name, module in agent.named_modules():
-        # The critic runs under torch.func.functional_call for the actor's values (its weights
-        # detached, ActorCritic.loss), which swaps its parameters on every call.
-        if name.endswith(".critic.mlp"):  # not slow_critic.mlp: that one only runs forward
-            continue
-        if isinstance(module, bodies):
-            module.forward = networks.Compiled(module.forward, name)
-            compiled.append(module.forward)
-    return compiled
-
-
-def captures_cuda_graphs(config):
-    """Whether compile 'update' captures its regions as CUDA graphs: on CUDA."""
-    return torch.device(config.device).type == "cuda"
-
-
-def compile_update(agent, bodies=None):
-    """compile 'update': every update as a few whole graphs, as few as its autograd structure
-    allows. Each loss region (the world model's, the actor-critic's, their sum in update 'joint',
-    Plan2Explore's ensemble; `agent.regions()`) is compiled forward and, by AOTAutograd, backward;
-    the backward pass between them is one call of the compiled backward graph; every optimizer's
-    step (clipping, adaptive clipping, warm-up and the update, ClippedOptimizer) and every slow
-    critic's EMA is a region too, and so is the policy step. The 64-step observe and the
-    imagination are unrolled into their graphs. Nothing inside reads a value back to the host, so
-    that on CUDA each region is captured as a CUDA graph. Returns the regions."""
-    cuda_graphs = captures_cuda_graphs(agent.config)
-    # An update's regions run each with one set of shapes; a few variants (the policy's batch of
-    # training and evaluation environments, with and without gradients) stay within the limit.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
-    regions = []
-    for owner, method in agent.regions():
-        name = f"{type(owner).__name__}.{method}"
-        # The policy step is one region, a step of its own; an update is a Step of many.
-        region = Region(getattr(owner, method), name, cuda_graphs, step=(owner, method) == (agent, "act"))
-        setattr(owner, method, region)  # an instance attribute: the class's method stays eager
-        regions.append(region)
-    agent.update.train_step = Step(agent.update.train_step, cuda_graphs)
-    return regions
-
-
-# compile: what each value does to an agent; False runs eagerly.
-COMPILERS = {True: compile_steps, False: None, "update": compile_update}
-
-
-# ==================================================================================================
-# The `auto` values
-# ==================================================================================================
-
-# -- compile auto: whether compiling pays for the run at hand ----------------------------------------
-#
-# On a CPU `compile auto` compiles when the run is predicted to make enough updates for the time
-# compile saves to repay its warm-up: predicted updates x saved seconds per update > warm-up seconds.
-# Measured with benchmarks/train_speed.py on a shared 2-core CPU (AVX2), one torch thread, batch
-# 16x64, float32:
-#   recipe2024 size1m, dmc_cartpole_balance: eager 1.42-1.49 s/update, --compile True 1.06-1.16 s
-#     (0.33 s saved; ~2.9e10 FLOPs per update by update_flops); with --compare (torch 2.13): eager
-#     1.69 s, compiled 1.07 s, warm-up of the first 2 updates 4.7 s eager and 377 s compiled;
-#   v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s (1.03 s saved; ~5.0e11
-#     FLOPs), for 80 s more warm-up.
-# The saved time per estimated FLOP is the smaller (1.03 / 5.0e11 = 2.1e-12 s; size1m's is 1.1e-11)
-# and the warm-up the larger (~370 s), so that the rule errs towards eager, which costs no warm-up.
-# compile 'update' (the whole update) is not chosen on a CPU: at recipe2024 size1m, 16x64, it saved more
-# (eager 1.71 s, compiled 0.96 s) for a warm-up of 1,399 s, and nothing at other sizes was measured to
-# scale the rule by; a long CPU run can ask for it.
-# Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
-# underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
-COMPILE_SAVED_S_PER_FLOP = 2.1e-12
-COMPILE_WARMUP_S = 370.0
-
-
-def parameter_counts(obs_space, act_space, config):
-    """The parameters of the world model, its RSSM and the task actor and critic that `config`
-    builds, counted on the meta device (no memory, no random numbers drawn)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        wm = WorldModel(obs_space, act_space, config)
-        behavior = ActorCritic(config, wm, act_space, reward_fn=None)
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    return {"world_model": count(wm), "rssm": count(wm.rssm), "actor": count(behavior.actor),
-            "critic": count(behavior.critic)}
-
-
-def update_flops(config, counts):
-    """Estimated floating-point operations of one update from the parameter counts: 2 per weight
-    and token forward, 4 backward. The world model runs forward and backward on the B x T replayed
-    steps; imagination starts from each of them and runs H + 1 steps of the RSSM (forward), the
-    actor (forward and backward), the critic (forward and backward) and the slow critic (forward)."""
-    tokens = config.batch_size * config.batch_length
-    imagined = tokens * (config.imag_horizon + 1)
-    return (6 * counts["world_model"] * tokens
-            + imagined * (2 * counts["rssm"] + 6 * counts["actor"] + 8 * counts["critic"]))
-
-
-def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, warmup_s=COMPILE_WARMUP_S):
-    """What `compile auto` settles to, and why: (decision, reason). On CUDA always (fused kernels,
-    fewer launches); on a CPU by the rule above, for the parameter counts `counts` (None: the model
-    is not known, eager)."""
-    if torch.device(config.device).type == "cuda":
-        found = launch.torchrun_rank()
-        if found is not None and found[1] > 1:  # compile_update refuses to run under torchrun
-            return True, "on CUDA under torchrun the steps are compiled, with fewer launches per update"
-        return "update", "on CUDA the whole update runs as a few CUDA graphs, with the fewest launches"
-    if counts is None:
-        return False, "on a CPU without the model to estimate its gain"
-    updates = tools.total_updates(config)
-    saved = saved_s_per_flop * update_flops(config, counts)
-    decision = updates * saved > warmup_s
-    verdict = "more" if decision else "less"
-    return decision, (f"on a CPU: {updates:,} updates x ~{saved:.3g} s saved each = {updates * saved:,.0f} s, "
-                      f"{verdict} than the ~{warmup_s:.0f} s warm-up")
-
-
-def resolve_auto(config, act_space, obs_space=None):
-    """Settle the 'auto' keys this module owns: the actor's distribution and gradient from the
-    action space (v1's actor_dist_disc/cont and actor_grad_disc/cont: discrete -> onehot +
-    reinforce, continuous -> normal + dynamics) and compile by compile_choice (for the model that
-    `obs_space` gives). Explicit values stay; an actor distribution that contradicts the action
-    space is a ConfigError. Returns the settled config (a new one) and {key that was 'auto': why it
-    settled so ('' when the reason is the key's own rule)}, for the start-up summary. A settled
-    config settles to itself."""
-    discrete = bool(getattr(act_space, "discrete", False))
-    dist, gradient = ("onehot", "reinforce") if discrete else ("normal", "dynamics")
-    changes, resolved = {}, {}
-    if config.actor.dist == "auto":
-        changes["actor.dist"], resolved["actor.dist"] = dist, "from the action space"
-    if config.imag_gradient == "auto":
-        changes["imag_gradient"], resolved["imag_gradient"] = gradient, "from the action space"
-    chosen = changes.get("actor.dist", config.actor.dist)
-    if chosen != dist:
-        kind = "discrete" if discrete else "continuous"
-        raise tools.ConfigError(f"Invalid value '{chosen}' for --actor.dist: task '{config.task}' has {kind} "
-                                f"actions; use --actor.dist {dist} (or auto)")
-    if chosen == "normal" and config.actor.std != "learned":
-        try:
-            valid = float(config.actor.std) > 0
-        except (TypeError, ValueError):
-            valid = False
-        if not valid:
-            raise tools.ConfigError(f"Invalid value '{config.actor.std}' for --actor.std: the normal actor takes "
-                                    "'learned' or a fixed standard deviation > 0 ('none' is for onehot actors)")
-    if config.compile == "auto":
-        provisional = config.replace(changes) if changes else config
-        counts = parameter_counts(obs_space, act_space, provisional) if obs_space is not None else None
-        changes["compile"], resolved["compile"] = compile_choice(provisional, counts)
-    return (config.replace(changes) if changes else config), resolved

@@ -1,6 +1,5 @@
 """Neural network modules: RSSM, encoders, decoders, MLP heads and the actor."""
 
-import contextlib
 import math
 import threading
 
@@ -14,59 +13,13 @@ import tools
 ACTIVATIONS = {"SiLU": nn.SiLU, "ELU": nn.ELU, "ReLU": nn.ReLU, "Tanh": nn.Tanh, "GELU": nn.GELU}
 
 
-_layout = threading.local()
+layout = threading.local()  # `vmapped` True on a thread inside torch.func.vmap (set by seeds.vmapped)
 
 
 def image_layout():
     """The memory format of conv activations: channels_last, which oneDNN and cuDNN run fastest,
     except inside torch.func.vmap (seeds.py's batched update), which cannot query it."""
-    return torch.contiguous_format if getattr(_layout, "vmapped", False) else torch.channels_last
-
-
-@contextlib.contextmanager
-def vmapped():
-    """The block runs inside torch.func.vmap on this thread (see image_layout)."""
-    before = getattr(_layout, "vmapped", False)
-    _layout.vmapped = True
-    try:
-        yield
-    finally:
-        _layout.vmapped = before
-
-
-class CompileError(RuntimeError):
-    """A function that compile asked for cannot be compiled: the message names it and the
-    fallbacks. The one compile-failure policy, of `compile True` (Compiled) and `compile update`
-    (models.Region) alike: what was asked to compile never runs eagerly instead."""
-
-
-# A compiler failure (no C++ compiler, an unsupported operator, a graph break where one graph is
-# required) or more variants than dynamo's recompile limit (past which it would run eagerly).
-COMPILE_FAILURES = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
-
-
-def compile_failure(mode, name, error, fallbacks, how=""):
-    """The CompileError for `error` raised while compiling `name` (`how`: as one graph) under compile `mode`."""
-    reason = " ".join(str(error).split())[:200] or type(error).__name__
-    return CompileError(f"compile {mode}: {name} cannot be compiled{how} ({reason}); {fallbacks}")
-
-
-class Compiled:
-    """torch.compile(fn), for `compile True`. Where compilation fails it is a CompileError naming
-    the function (COMPILE_FAILURES); any other error is fn's own and keeps its traceback."""
-
-    def __init__(self, fn, name):
-        self.eager, self.name = fn, name
-        self.compiled = torch.compile(fn)
-        self.calls = 0  # calls that ran the compiled code
-
-    def __call__(self, *args, **kwargs):
-        try:
-            result = self.compiled(*args, **kwargs)
-        except COMPILE_FAILURES as e:
-            raise compile_failure("True", self.name, e, "--compile False runs eagerly") from e
-        self.calls += 1
-        return result
+    return torch.contiguous_format if getattr(layout, "vmapped", False) else torch.channels_last
 
 
 def init_(module, scale=1.0, fan="avg"):
@@ -269,7 +222,7 @@ class Actor(nn.Module):
     def __init__(self, inp, actions, config, units, act, norm):  # config: the actor group
         super().__init__()
         self.kind = config.dist
-        if self.kind not in ACTOR_DISTS:  # 'auto' is settled before any network is built (models.resolve_auto)
+        if self.kind not in ACTOR_DISTS:  # 'auto' is settled before any network is built (compilation.resolve_auto)
             raise ValueError(f"actor.dist '{self.kind}' has no distribution; valid: {', '.join(ACTOR_DISTS)}")
         self.mlp = MLP(inp, config.layers, units, act, norm)
         learned = self.kind == "normal" and config.std == "learned"
@@ -801,6 +754,6 @@ IMAGE_ENCODERS = {"strided": ConvEncoder, "pooled": PooledConvEncoder}  # encode
 VECTOR_DISTS = {"symlog_mse": distributions.SymlogMSE, "mse": distributions.MSE}  # decoder.vector_dist
 ACTOR_DISTS = ("normal", "onehot")  # actor.dist, once settled
 
-# The network bodies models.compile_steps compiles: every body a preset builds. Heads and the
+# The network bodies compilation.compile_steps compiles: every body a preset builds. Heads and the
 # actor compile through their MLP, the GRU cells through the RSSM's step functions.
 COMPILED = (MLP, ConvEncoder, PooledConvEncoder, ConvDecoder, UpsampleConvDecoder)

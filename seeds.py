@@ -8,7 +8,7 @@ acting, saving and loading see them), and the loss of every seed is one forward 
 pass over that axis (torch.func.vmap of functional_call, `BatchedUpdate`). Each seed's optimizer
 then steps its own row of the gradients, so its clipping and moments never see another seed's.
 The noise of each seed's samples is drawn from its own generator before the pass, in the order
-its update alone would draw it (distributions.Tape), so seed k of a batched run computes what seed
+its update alone would draw it (`Tape`), so seed k of a batched run computes what seed
 k alone computes, up to the rounding of batched matrix products.
 
 Each seed's Trainer runs its loop in a thread of its own (`train_together`); a thread that owes an
@@ -17,6 +17,7 @@ that is not ready (still prefilling, or finished) does not hold the others: the 
 with a stand-in batch for it and leaves its weights, moments and state untouched (`absent`).
 """
 
+import contextlib
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ import torch
 import distributions
 import models
 import networks
+import precision
 import tools
 
 
@@ -44,6 +46,64 @@ def check(config, world_size):
                                     "separate runs (--seeds 1, one --seed each)")
     if world_size > 1:
         raise tools.ConfigError(f"--seeds {config.seeds} does not run under torchrun yet: run it as one process")
+
+
+# ==================================================================================================
+# Each seed's noise, and the layout of images inside vmap
+# ==================================================================================================
+
+
+DRAWS = {"uniform": lambda shape, device, gen: torch.rand(shape, device=device, generator=gen),
+         "normal": lambda shape, device, gen: torch.empty(shape, device=device).normal_(generator=gen)}
+
+
+class Tape:
+    """The noise of one computation, in the order it is taken. Recording (`values` None), `take`
+    notes each draw's kind and shape and returns zeros, drawing nothing; `draw` then draws the
+    noise of those draws from a generator, in that order, as a flat (total,) tensor per kind; a
+    tape given those (`values`, one seed's slice inside vmap) hands them out in the same order."""
+
+    def __init__(self, values=None):
+        self.values, self.draws, self.offsets = values, [], {kind: 0 for kind in DRAWS}
+
+    def take(self, kind, shape, device):
+        if self.values is None:
+            self.draws.append((kind, shape))
+            return torch.zeros(shape, device=device)  # on the sample's device: the recording pass runs there
+        count = 1
+        for size in shape:
+            count *= size
+        start = self.offsets[kind]
+        self.offsets[kind] = start + count
+        return self.values[kind][start:start + count].reshape(shape)
+
+    @staticmethod
+    def draw(draws, gen, device):
+        """{kind: (total,)} noise for the recorded `draws` [(kind, shape)], from `gen`."""
+        parts = {kind: [] for kind in DRAWS}
+        for kind, shape in draws:
+            parts[kind].append(DRAWS[kind](shape, device, gen).flatten())
+        return {kind: torch.cat(found) if found else torch.zeros(0, device=device) for kind, found in parts.items()}
+
+    @staticmethod
+    def zeros(draws, device):
+        """Zeros in the place of `draw`'s noise, drawing nothing."""
+        totals = {kind: 0 for kind in DRAWS}
+        for kind, shape in draws:
+            totals[kind] += torch.Size(shape).numel()
+        return {kind: torch.zeros(total, device=device) for kind, total in totals.items()}
+
+
+@contextlib.contextmanager
+def vmapped():
+    """The block runs inside torch.func.vmap on this thread: conv activations then keep the
+    contiguous layout (networks.image_layout), since vmap cannot query channels_last."""
+    before = getattr(networks.layout, "vmapped", False)
+    networks.layout.vmapped = True
+    try:
+        yield
+    finally:
+        networks.layout.vmapped = before
 
 
 def seed_generator(device):
@@ -101,7 +161,7 @@ class SeedLosses(torch.nn.Module):
         latent, data = update.context.split(data)
         size, length = data["is_first"].shape
         losses, metrics, behavior_metrics = {}, {}, {}
-        with models.autocast(config):
+        with precision.autocast(config):
             if part in ("model", "all"):
                 terms, post, _, metrics = wm.loss(data, latent)
                 losses.update(terms)
@@ -231,17 +291,16 @@ class BatchedUpdate:
             self.schedules[key] = self.record(data, part, post)
         draws = self.schedules[key]
         device = data["is_first"].device
-        tape = distributions.Tape
-        noise = [tape.draw(draws, gen, device) if k in present else tape.zeros(draws, device)
+        noise = [Tape.draw(draws, gen, device) if k in present else Tape.zeros(draws, device)
                  for k, gen in enumerate(self.generators)]
-        noise = {kind: torch.stack([n[kind] for n in noise]) for kind in distributions.DRAWS}
+        noise = {kind: torch.stack([n[kind] for n in noise]) for kind in DRAWS}
         params = {self.prefix + k: (v.detach() if frozen and (self.prefix + k).startswith(frozen) else v)
                   for k, v in self.stack.params.items()}
         buffers = {self.prefix + k: v for k, v in self.stack.buffers.items()}
         module = self.module
 
         def one(params, buffers, data, noise, post):
-            with distributions.tape(distributions.Tape(noise)), networks.vmapped():
+            with distributions.tape(Tape(noise)), vmapped():
                 return torch.func.functional_call(module, (params, buffers), (data, part, post), strict=True)
 
         in_dims = (0, 0, 0, 0, None if post is None else 0)
@@ -253,7 +312,7 @@ class BatchedUpdate:
     def record(self, data, part, post):
         """The noise draws (kind, shape) of one seed's `part` of the update, recorded on seed 0's
         weights and a copy of its buffers without drawing anything."""
-        tape = distributions.Tape()
+        tape = Tape()
         params = {self.prefix + k: v[0].detach() for k, v in self.stack.params.items()}
         buffers = {self.prefix + k: v[0].clone() for k, v in self.stack.buffers.items()}
         one = {key: value[0] for key, value in data.items()}

@@ -87,8 +87,8 @@ MUTATIONS = [
                 "the joint one; its loss is still computed and still trains the representation",
         "edits": [
             {"file": "models.py",
-             "old": '    model = Optimizer("model", world_model.parameters(), config.model_lr,',
-             "new": '    model = Optimizer("model", [p for n, p in world_model.named_parameters() '
+             "old": '    model = optim.Optimizer("model", world_model.parameters(), config.model_lr,',
+             "new": '    model = optim.Optimizer("model", [p for n, p in world_model.named_parameters() '
                     'if not n.startswith("heads.decoder.")], config.model_lr,'},
             {"file": "models.py",
              "old": "params = [*world_model.parameters(), *behavior.actor.parameters(),",
@@ -220,10 +220,10 @@ MUTATIONS = [
         "slip": "gradient clipping computes the clipped gradients out of place and drops them "
                 "(_foreach_mul for _foreach_mul_): neither the norm clip (v1) nor AGC (recipe2024) applies",
         "edits": [
-            {"file": "models.py",
+            {"file": "optim.py",
              "old": "torch._foreach_mul_(grads, torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))",
              "new": "torch._foreach_mul(grads, torch.clamp(self.clip / (self.grad_norm + 1e-6), max=1.0))"},
-            {"file": "models.py",
+            {"file": "optim.py",
              "old": "torch._foreach_mul_(grads, list(scale.unbind()))",
              "new": "torch._foreach_mul(grads, list(scale.unbind()))"},
         ],

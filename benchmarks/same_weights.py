@@ -427,13 +427,13 @@ def project_and_report(args, rest, config, saved):
     """The project side on the official side's output, then the report."""
     import torch
 
+    import compilation
     import dreamer
     import envs
-    import models
 
     torch.set_num_threads(1)
     env = envs.make_env(config, "train", 0)
-    config, _ = models.resolve_auto(config, env.act_space, env.obs_space)
+    config, _ = compilation.resolve_auto(config, env.act_space, env.obs_space)
     agent = dreamer.Dreamer(env.obs_space, env.act_space, config)
     env.close()
     if agent.wm.encoder.cnn_shapes:

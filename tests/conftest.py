@@ -4,7 +4,7 @@ The tiers: `python3 -m pytest -m "not slow"` is the quick check while changing c
 threads on a 2-core machine beside a one-thread run at ecee42a; tests/test_seeds.py's runs of batched seeds against
 seeds alone add about three minutes at one thread); `python3 -m pytest -q` runs
 everything (README, Tests; .ci/run). A test is slow when it starts processes, compiles
-(torch.compile, models.compile_update / compile_steps), or uses a module fixture that trains or
+(torch.compile, compilation.compile_update / compile_steps), or uses a module fixture that trains or
 starts processes: pytest_collection_modifyitems marks it by reading the code the test and its
 fixtures run (their own and the helpers of their module); `@pytest.mark.slow` marks the rest that
 take seconds (in-process training runs).

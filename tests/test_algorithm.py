@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import distributions  # noqa: E402
 import models  # noqa: E402
@@ -554,7 +555,7 @@ def test_return_norm_scale_floor_is_one():
 
 
 def make_actor_critic(*flags, reward_fn=None):
-    config, _ = models.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
+    config, _ = compilation.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
     reward_fn = reward_fn or (lambda feat, state, action: (wm.heads["reward"](feat).mean(), {}))

@@ -220,12 +220,12 @@ def test_verbatim_parallel_vision_command_starts(tmp_path):
 def test_a_bug_keeps_its_traceback_where_user_mistakes_are_one_line(tmp_path, monkeypatch, capsys, where):
     """Only ConfigError (and envs.TaskError) are user mistakes: a ValueError raised by a bug in the set-up or
     while building the agent reaches the caller as itself, with its traceback, not as a one-line exit 2."""
-    import models
+    import compilation
 
     def bug(*args, **kwargs):
         raise ValueError("a bug, not a user mistake")
 
-    monkeypatch.setattr(*((launch, "resolve_device") if where == "setup" else (models, "resolve_auto")), bug)
+    monkeypatch.setattr(*((launch, "resolve_device") if where == "setup" else (compilation, "resolve_auto")), bug)
     with pytest.raises(ValueError, match="a bug, not a user mistake"):
         dreamer.main(["--configs", "debug", "--device", "cpu", "--steps", "10", "--logdir", str(tmp_path / "run")])
     assert "error:" not in capsys.readouterr().err

@@ -16,8 +16,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
-import models  # noqa: E402
 import networks  # noqa: E402
+import optim  # noqa: E402
 
 PRESETS = cfg.load_presets()
 AGC = 0.3
@@ -71,7 +71,7 @@ def test_agc_clips_each_official_part_by_its_own_norm(spaces):
     want = [np_agc(p.detach().double().numpy(), g.double().numpy()) for p, g in zip(parts.values(), grads)]
     got = [g.clone() for g in grads]
     with torch.no_grad():  # as in the optimizer's step
-        models.agc_(list(parts.values()), got, AGC)
+        optim.agc_(list(parts.values()), got, AGC)
     for name, w, g in zip(parts, want, got):
         np.testing.assert_allclose(g.double().numpy(), w, rtol=1e-5, atol=1e-12, err_msg=name)
     # The merged layout of before (one matrix for mean and std) gives another result: the test tells them apart.
@@ -91,7 +91,7 @@ def test_the_optimizer_step_clips_per_part(spaces):
     grads = [torch.randn(p.shape, generator=generator) * (5.0 if i % 2 else 1e-4) for i, p in enumerate(params)]
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    opt = models.LaProp(params, lr=1e-3, eps=1e-20, betas=(0.9, 0.999), weight_decay=0.0, agc=AGC, warmup=0)
+    opt = optim.LaProp(params, lr=1e-3, eps=1e-20, betas=(0.9, 0.999), weight_decay=0.0, agc=AGC, warmup=0)
     opt.step()
     for p, p0, g in zip(params, start, grads):
         want = np_agc(p0.double().numpy(), g.double().numpy())

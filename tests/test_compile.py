@@ -15,11 +15,13 @@ import torch
 import torch._dynamo.convert_frame as convert_frame
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+import compilation
 import config as cfg
 import dreamer
 import envs
 import exploration
 import networks
+import precision
 import storage
 
 DEVICE = os.environ.get("DREAMER_TEST_DEVICE", "cpu")
@@ -224,9 +226,9 @@ def test_a_step_that_cannot_be_compiled_is_an_error_naming_it_never_an_eager_fal
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
 
-    compiled = networks.Compiled(lambda x: x + 1, "add_one")
+    compiled = compilation.Compiled(lambda x: x + 1, "add_one")
     compiled.compiled = broken
-    with pytest.raises(networks.CompileError, match=r"compile True: add_one cannot be compiled \(.*no C\+\+ "
+    with pytest.raises(compilation.CompileError, match=r"compile True: add_one cannot be compiled \(.*no C\+\+ "
                                                     r"compiler.*\); --compile False runs eagerly"):
         compiled(1)
     assert compiled.calls == 0
@@ -240,15 +242,14 @@ def test_a_step_that_cannot_be_compiled_is_an_error_naming_it_never_an_eager_fal
 
 
 def test_precision_16_trains_in_bfloat16_on_cpu_and_scales_grads_only_on_cuda():
-    import models
 
     config = cfg.parse(["--configs", "debug", "--precision", "16"])
-    with models.autocast(config):
+    with precision.autocast(config):
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
-    assert not models.use_scaler(config)
-    assert models.use_scaler(cfg.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
-    assert not models.use_scaler(cfg.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
+    assert not precision.use_scaler(config)
+    assert precision.use_scaler(cfg.parse(["--configs", "debug", "--precision", "16", "--device", "cuda:0"]))
+    assert not precision.use_scaler(cfg.parse(["--configs", "debug", "--precision", "32", "--device", "cuda:0"]))
     agent, batch = make_agent_and_batch(False, "--precision", "16")  # on DEVICE: float16 and scaling on CUDA
     assert agent.optimizers()["model"].scaler.is_enabled() is (torch.device(DEVICE).type == "cuda")
     metrics, _ = agent.update.train_step(batch)
@@ -331,11 +332,11 @@ def test_every_network_a_preset_builds_is_compiled(flags):
         if kind.__module__ not in ours:
             continue
         if isinstance(module, networks.COMPILED + exploration.COMPILED):
-            if name.endswith(".critic.mlp"):  # stated in models.compile_steps
-                assert not isinstance(module.forward, networks.Compiled), name
+            if name.endswith(".critic.mlp"):  # stated in compilation.compile_steps
+                assert not isinstance(module.forward, compilation.Compiled), name
             else:
-                assert isinstance(module.forward, networks.Compiled), name
+                assert isinstance(module.forward, compilation.Compiled), name
         else:
             assert kind.__name__ in COMPILED_INSIDE, f"{name}: {kind.__name__} is neither compiled nor covered"
-    assert isinstance(agent.wm.rssm.obs_step, networks.Compiled)
-    assert isinstance(agent.wm.rssm.img_step, networks.Compiled)
+    assert isinstance(agent.wm.rssm.obs_step, compilation.Compiled)
+    assert isinstance(agent.wm.rssm.img_step, compilation.Compiled)

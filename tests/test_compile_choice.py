@@ -1,4 +1,4 @@
-"""compile auto: the rule models.compile_choice against a hand computation, and what it settles
+"""compile auto: the rule compilation.compile_choice against a hand computation, and what it settles
 to for the presets (nothing is timed here)."""
 
 import copy
@@ -10,9 +10,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
-import models  # noqa: E402
 import tools  # noqa: E402
 
 PRESETS = cfg.load_presets()
@@ -30,7 +30,7 @@ def test_update_flops_and_predicted_updates_by_hand():
     # world model forward + backward on each replayed step; per imagined step (H + 1 = 6 per start):
     # RSSM forward, actor forward + backward, critic forward + backward and slow critic forward.
     want = 6 * 1000 * tokens + tokens * 6 * (2 * 500 + 6 * 100 + 8 * 200)
-    assert models.update_flops(config, COUNTS) == want
+    assert compilation.update_flops(config, COUNTS) == want
     # (10000 - 2000) frames / 2 = 4000 policy steps, x 64 / 40 replayed per update = 6400, + 3 pretrain.
     assert tools.total_updates(config) == 6403
 
@@ -41,7 +41,7 @@ def test_compile_choice_compiles_when_the_saved_time_repays_the_warm_up(warmup_s
                          "--prefill", "2000", "--action_repeat", "2", "--train_ratio", "64", "--pretrain", "3")
     flops = 6 * 1000 * 40 + 40 * 6 * (2 * 500 + 6 * 100 + 8 * 200)  # 1,008,000
     saved = 5e-8 * flops  # 0.0504 s per update; x 6403 updates = 322.7 s
-    got, reason = models.compile_choice(config, COUNTS, saved_s_per_flop=5e-8, warmup_s=warmup_s)
+    got, reason = compilation.compile_choice(config, COUNTS, saved_s_per_flop=5e-8, warmup_s=warmup_s)
     assert got is decision and (6403 * saved > warmup_s) is decision
     assert reason == (f"on a CPU: 6,403 updates x ~0.0504 s saved each = 323 s, "
                       f"{'more' if decision else 'less'} than the ~{warmup_s:.0f} s warm-up")
@@ -49,21 +49,21 @@ def test_compile_choice_compiles_when_the_saved_time_repays_the_warm_up(warmup_s
 
 def test_compile_choice_always_compiles_the_whole_update_on_cuda():
     config = make_config("--device", "cuda:0", "--steps", "0")
-    assert models.compile_choice(config, COUNTS)[0] == "update"
+    assert compilation.compile_choice(config, COUNTS)[0] == "update"
 
 
 def test_the_rule_follows_its_measurements():
     """The constants are those of the measurements the comment beside them states (v1 default size,
     dmc_proprio walker: eager 11.61 s, compiled 10.58 s per 5.0e11 FLOPs of updates; warm-up of the
     first 2 updates 4.7 s eager and 377 s compiled)."""
-    assert models.COMPILE_WARMUP_S == pytest.approx(377 - 4.7, abs=5)
-    assert models.COMPILE_SAVED_S_PER_FLOP == pytest.approx((11.61 - 10.58) / 5.0e11, rel=0.03)
+    assert compilation.COMPILE_WARMUP_S == pytest.approx(377 - 4.7, abs=5)
+    assert compilation.COMPILE_SAVED_S_PER_FLOP == pytest.approx((11.61 - 10.58) / 5.0e11, rel=0.03)
 
 
 def test_parameter_counts_match_the_built_model_and_draw_no_random_numbers(spaces):
-    config, _ = models.resolve_auto(make_config(), spaces[1])
+    config, _ = compilation.resolve_auto(make_config(), spaces[1])
     state = torch.get_rng_state()
-    counts = models.parameter_counts(*spaces, config)
+    counts = compilation.parameter_counts(*spaces, config)
     assert torch.equal(torch.get_rng_state(), state)
     torch.manual_seed(0)
     agent = dreamer.Dreamer(*spaces, config)
@@ -73,16 +73,16 @@ def test_parameter_counts_match_the_built_model_and_draw_no_random_numbers(space
 
 
 def test_compile_auto_stays_eager_for_the_debug_preset_and_compiles_a_long_cpu_run(spaces):
-    short, notes = models.resolve_auto(make_config("--compile", "auto"), spaces[1], spaces[0])
+    short, notes = compilation.resolve_auto(make_config("--compile", "auto"), spaces[1], spaces[0])
     assert "compile" in notes and short.compile is False
     assert cfg.compile_note(short, notes["compile"]).startswith("off (auto: on a CPU: ")
     # The debug model at the measured batch for a million frames: ~10^5 updates of ~1e9 FLOPs each.
     long = make_config("--compile", "auto", "--steps", "1000000", "--train_ratio", "512", "--batch_size", "16",
                        "--batch_length", "64")
-    long, notes = models.resolve_auto(long, spaces[1], spaces[0])
+    long, notes = compilation.resolve_auto(long, spaces[1], spaces[0])
     assert long.compile is True and "more than the ~370 s warm-up" in notes["compile"]
     assert cfg.compile_note(long, notes["compile"]).endswith(
         "; --compile False turns it off; a failure to compile stops the run)")
     # Without the observation space the model is unknown: eager on a CPU.
-    unknown, notes = models.resolve_auto(make_config("--compile", "auto", "--steps", "1000000"), spaces[1])
+    unknown, notes = compilation.resolve_auto(make_config("--compile", "auto", "--steps", "1000000"), spaces[1])
     assert "compile" in notes and unknown.compile is False

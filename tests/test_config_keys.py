@@ -20,10 +20,12 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
@@ -401,9 +403,11 @@ def test_compile_auto_compiles_on_cuda_and_not_for_a_short_cpu_run_and_explicit_
     assert config.compile is False and agent.compiled == [] and "compile" in agent.resolved
     note = cfg.compile_note(config, agent.resolved["compile"])
     assert note.startswith("off (auto: on a CPU: ") and "less than the ~370 s warm-up" in note, note
-    cuda, resolved = models.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1], spaces[0])
+    cuda, resolved = compilation.resolve_auto(make_config("--compile", "auto", "--device", "cuda:0"), spaces[1],
+                                              spaces[0])
     assert "compile" in resolved and cuda.compile == "update"
-    explicit, resolved = models.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1], spaces[0])
+    explicit, resolved = compilation.resolve_auto(make_config("--compile", "True", "--device", "cpu"), spaces[1],
+                                                  spaces[0])
     assert "compile" not in resolved and explicit.compile is True
     assert make_config("--compile", "false").compile is False
     assert cfg.parse(["--device", "cpu"]).compile == "auto"  # the default
@@ -486,7 +490,7 @@ def test_lr_eps_and_grad_clip_set_each_optimizer_and_only_it(spaces, name):
 @pytest.mark.parametrize("opt", ["adam", "adamw"])
 def test_opt_and_weight_decay_choose_coupled_or_decoupled_decay(spaces, opt):
     agent, _ = make_agent(spaces, "--opt", opt, "--weight_decay", "0.2", "--model_lr", "0.1")
-    cls = models.AdamW if opt == "adamw" else models.Adam
+    cls = optim.AdamW if opt == "adamw" else optim.Adam
     optimizers = [agent.optimizers()[name] for name in ("model", "task/actor", "task/critic")]
     assert all(type(o.opt) is cls for o in optimizers)
     assert optimizers[0].opt.param_groups[0]["weight_decay"] == 0.2

@@ -23,6 +23,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
 
+import compilation
 import config as cfg
 import dreamer
 import envs
@@ -55,7 +56,7 @@ def batches(config, count, seed=0):
 
 def compiled_with(monkeypatch, backend, cuda_graphs=False):
     """Make every region compile with `backend`; with `cuda_graphs`, compile_update decides as on CUDA."""
-    original = models.Region.__init__
+    original = compilation.Region.__init__
 
     def init(self, fn, name, *args, **kwargs):
         original(self, fn, name, *args, **kwargs)
@@ -63,9 +64,9 @@ def compiled_with(monkeypatch, backend, cuda_graphs=False):
         if cuda_graphs:
             self.cuda_graphs = True
 
-    monkeypatch.setattr(models.Region, "__init__", init)
+    monkeypatch.setattr(compilation.Region, "__init__", init)
     if cuda_graphs:
-        monkeypatch.setattr(models, "captures_cuda_graphs", lambda config: True, raising=False)
+        monkeypatch.setattr(compilation, "captures_cuda_graphs", lambda config: True, raising=False)
 
 
 def make_agent(*flags, compile_="update"):
@@ -90,8 +91,8 @@ def test_one_step_mark_per_update_and_per_policy_call_and_none_between_a_forward
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
     backward = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: events.append("backward") or backward(*a, **k))
-    region_call = models.Region.__call__
-    monkeypatch.setattr(models.Region, "__call__",
+    region_call = compilation.Region.__call__
+    monkeypatch.setattr(compilation.Region, "__call__",
                         lambda self, *a, **k: events.append(self.name) or region_call(self, *a, **k))
     train_step = agent.update.train_step
     agent.update.train_step = lambda *a, **k: events.append("update") or train_step(*a, **k)
@@ -162,7 +163,7 @@ def test_a_region_sets_no_attribute_of_any_module_or_optimizer(monkeypatch):
     agent, data = make_agent("--expl_behavior", "plan2explore", "--imag_gradient", "dynamics")
     agent.update.train_step(data[0])  # the first update creates the optimizers' state
     changed = []
-    region_call = models.Region.__call__
+    region_call = compilation.Region.__call__
 
     def call(self, *args, **kwargs):
         before = attributes(agent)
@@ -171,7 +172,7 @@ def test_a_region_sets_no_attribute_of_any_module_or_optimizer(monkeypatch):
         changed.extend((self.name, key) for key in after if before.get(key) != after[key])
         return result
 
-    monkeypatch.setattr(models.Region, "__call__", call)
+    monkeypatch.setattr(compilation.Region, "__call__", call)
     metrics, _ = agent.update.train_step(data[1])
     assert not changed, changed
     assert {"expl_intr_reward_mean", "expl_intr_reward_std", "expl_intr_reward_max"} <= set(metrics)
@@ -204,13 +205,13 @@ def test_every_input_a_region_mutates_is_static_or_a_gradient(monkeypatch):
     compiled_with(monkeypatch, backend)
     agent, data = make_agent("--expl_behavior", "plan2explore", "--imag_gradient", "dynamics", "--critic.repval",
                              "0.3", "--agc", "0.3", "--warmup", "5", "--opt", "laprop")
-    region_call = models.Region.__call__
+    region_call = compilation.Region.__call__
 
     def call(self, *args, **kwargs):
         current.append(self.name)
         return region_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(models.Region, "__call__", call)
+    monkeypatch.setattr(compilation.Region, "__call__", call)
     for batch in data[:2]:
         agent.update.train_step(batch)
     steps = [region for region in agent.compiled if region.name.endswith(".step")]
@@ -268,13 +269,13 @@ def graph_sizes(monkeypatch, *flags):
 
     monkeypatch.setattr(networks, "UNROLL", 4)
     compiled_with(monkeypatch, backend)
-    region_call = models.Region.__call__
+    region_call = compilation.Region.__call__
 
     def call(self, *args, **kwargs):
         current.append(self.name)
         return region_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(models.Region, "__call__", call)
+    monkeypatch.setattr(compilation.Region, "__call__", call)
     agent, data = make_agent(*flags)
     agent.update.train_step(data[0])
     torch._dynamo.reset()

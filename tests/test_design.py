@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+import compilation
 import config as cfg
 import dreamer
 import envs
 import exploration
 import models
 import networks
+import optim
 import storage
 import tools
 
@@ -197,7 +199,7 @@ def test_the_update_runs_in_the_official_three_parts(update, monkeypatch):
     recorded(models.ActorCritic, "loss", "imagination")
     recorded(models.ActorCritic, "replay_loss", "replay")
     recorded(models, "check_terms", "check")
-    recorded(models, "optimize", "step")
+    recorded(optim, "optimize", "step")
     agent, env = make_agent("--update", update, "--imag_gradient", "reinforce", "--critic.repval", "0.3")
     agent.update.train_step(batch_for(agent, env))
     if update == "sequential":  # the world model steps first, alone (the paper's order)
@@ -330,11 +332,11 @@ def test_the_settled_config_is_read_only():
 def test_auto_keys_are_settled_once_into_a_new_config():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--compile", "auto"])
     env = envs.make_env(config, "train", 0)
-    settled, resolved = models.resolve_auto(config, env.act_space)
+    settled, resolved = compilation.resolve_auto(config, env.act_space)
     assert set(resolved) == {"actor.dist", "imag_gradient", "compile"}
     assert (settled.actor.dist, settled.imag_gradient, settled.compile) == ("normal", "dynamics", False)
     assert config.actor.dist == "auto"  # parse's config stays as it was
-    again, resolved = models.resolve_auto(settled, env.act_space)
+    again, resolved = compilation.resolve_auto(settled, env.act_space)
     assert again is settled and resolved == {}  # a settled config settles to itself
     agent = dreamer.Dreamer(env.obs_space, env.act_space, settled)
     assert agent.config is settled
@@ -344,7 +346,7 @@ def test_a_normal_actor_refuses_std_none():
     config = cfg.parse(["--configs", "debug", "--device", "cpu", "--actor.std", "none"])
     env = envs.make_env(config, "train", 0)
     with pytest.raises(tools.ConfigError, match="Invalid value 'none' for --actor.std"):
-        models.resolve_auto(config, env.act_space)
+        compilation.resolve_auto(config, env.act_space)
 
 
 # Each key whose value a module dispatches on, and the table it dispatches with: the schema's
@@ -353,8 +355,8 @@ def test_a_normal_actor_refuses_std_none():
 DISPATCH = {
     "act": networks.ACTIVATIONS, "encoder.act": networks.ACTIVATIONS, "decoder.act": networks.ACTIVATIONS,
     "dyn_std_act": networks.STD_ACTS, "encoder.cnn": networks.IMAGE_ENCODERS,
-    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": models.OPTIMIZERS,
-    "update": models.UPDATES, "compile": models.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
+    "decoder.vector_dist": networks.VECTOR_DISTS, "actor.dist": networks.ACTOR_DISTS, "opt": optim.OPTIMIZERS,
+    "update": models.UPDATES, "compile": compilation.COMPILERS, "expl_behavior": exploration.BEHAVIORS,
     "disag_target": exploration.Plan2Explore.TARGETS, "prefill_policy": dreamer.PREFILLS,
 }
 

@@ -23,7 +23,7 @@ import config as cfg  # noqa: E402
 import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
-import models  # noqa: E402
+import optim  # noqa: E402
 import tools  # noqa: E402
 from envs import wrappers  # noqa: E402
 
@@ -256,7 +256,7 @@ def test_single_process_averages_nothing():
     grads = [torch.ones(3)]
     ranks.average_(grads)
     assert torch.equal(grads[0], torch.ones(3)) and ranks.is_main and ranks.world_size == 1
-    assert isinstance(models.Optimizer.ranks, launch.SingleProcess)
+    assert isinstance(optim.Optimizer.ranks, launch.SingleProcess)
 
 
 if __name__ == "__main__" and sys.argv[1] == "updates":

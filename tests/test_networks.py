@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
@@ -29,7 +30,7 @@ def make_config(*flags):
     continuous action space unless the flags ask for a onehot actor."""
     config = cfg.parse(["--configs", "debug", "--device", "cpu", *flags], presets=copy.deepcopy(PRESETS))
     if config.actor.dist == "auto":
-        config, _ = models.resolve_auto(config, ACT_SPACE)
+        config, _ = compilation.resolve_auto(config, ACT_SPACE)
     return config
 
 

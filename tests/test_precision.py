@@ -16,6 +16,7 @@ import dreamer  # noqa: E402
 import envs  # noqa: E402
 import models  # noqa: E402
 import networks  # noqa: E402
+import precision  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
@@ -24,7 +25,7 @@ def config(*flags):
     return cfg.parse(["--configs", "debug", *flags])
 
 
-@pytest.mark.parametrize("precision, device, dtype, scaler", [
+@pytest.mark.parametrize("setting, device, dtype, scaler", [
     ("32", "cpu", None, False),
     ("32", "cuda:0", None, False),
     ("16", "cpu", torch.bfloat16, False),  # float16 is slow on a CPU; bfloat16 needs no scaler
@@ -32,20 +33,20 @@ def config(*flags):
     ("bf16", "cpu", torch.bfloat16, False),
     ("bf16", "cuda:0", torch.bfloat16, False),
 ])
-def test_precision_sets_compute_dtype_and_scaler(precision, device, dtype, scaler):
-    c = config("--precision", precision, "--device", device)
-    assert c.precision == (precision if precision == "bf16" else int(precision))
-    assert models.compute_dtype(c) is dtype
-    assert models.use_scaler(c) is scaler
+def test_precision_sets_compute_dtype_and_scaler(setting, device, dtype, scaler):
+    c = config("--precision", setting, "--device", device)
+    assert c.precision == (setting if setting == "bf16" else int(setting))
+    assert precision.compute_dtype(c) is dtype
+    assert precision.use_scaler(c) is scaler
 
 
 def test_precision_notes_name_what_runs():
-    assert models.precision_note(config("--precision", "32")) == "32 (float32)"
-    assert (models.precision_note(config("--precision", "bf16", "--device", "cuda:0"))
+    assert precision.precision_note(config("--precision", "32")) == "32 (float32)"
+    assert (precision.precision_note(config("--precision", "bf16", "--device", "cuda:0"))
             == "bf16 (bfloat16 autocast, no scaler; parameters float32)")
-    assert (models.precision_note(config("--precision", "16", "--device", "cuda:0"))
+    assert (precision.precision_note(config("--precision", "16", "--device", "cuda:0"))
             == "16 (float16 autocast, gradient scaler; parameters float32)")
-    assert (models.precision_note(config("--precision", "16"))
+    assert (precision.precision_note(config("--precision", "16"))
             == "16 (bfloat16 autocast on a CPU, no scaler; parameters float32)")
 
 

@@ -17,6 +17,7 @@ import distributions  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
 import networks  # noqa: E402
+import optim  # noqa: E402
 import storage  # noqa: E402
 import tools  # noqa: E402
 
@@ -261,13 +262,12 @@ def np_laprop_agc(params, grads, lr, warmup, agc, eps=1e-20, b1=0.9, b2=0.999):
 
 
 def test_laprop_with_agc_and_warmup_matches_the_written_out_update():
-    import models
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)),
               nn.Parameter(torch.zeros(5, dtype=torch.float64))]  # |param| 0: the floor 1e-3 bounds the step
     start = [to_np(p).copy() for p in params]  # a copy: numpy shares a float64 tensor's memory
-    opt = models.Optimizer("x", params, lr=0.1, eps=1e-20, clip=0, opt="laprop", agc=0.3, warmup=2)
-    assert isinstance(opt.opt, models.LaProp)
+    opt = optim.Optimizer("x", params, lr=0.1, eps=1e-20, clip=0, opt="laprop", agc=0.3, warmup=2)
+    assert isinstance(opt.opt, optim.LaProp)
     grads = []
     for step in range(4):
         coeffs = [torch.randn(p.shape, generator=gen(20 + step), dtype=torch.float64) * (10 ** step) for p in params]
@@ -281,9 +281,8 @@ def test_laprop_with_agc_and_warmup_matches_the_written_out_update():
 
 
 def test_laprop_first_update_has_rate_zero_and_second_steps_lr():
-    import models
     p = nn.Parameter(torch.tensor([1.0, -2.0]))
-    opt = models.Optimizer("x", [p], lr=0.5, eps=1e-20, clip=0, opt="laprop", warmup=1)
+    opt = optim.Optimizer("x", [p], lr=0.5, eps=1e-20, clip=0, opt="laprop", warmup=1)
     opt((p * torch.tensor([3.0, -1.0])).sum())
     torch.testing.assert_close(p.detach(), torch.tensor([1.0, -2.0]))
     opt((p * torch.tensor([3.0, -1.0])).sum())
@@ -292,7 +291,6 @@ def test_laprop_first_update_has_rate_zero_and_second_steps_lr():
 
 
 def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
-    import models
     config = make_config("--opt", "laprop", "--agc", "0.3", "--warmup", "3", "--grad_clip", "0",
                          "--actor.grad_clip", "0", "--critic.grad_clip", "0", "--expl_behavior", "plan2explore")
     agent = dreamer.Dreamer(*spaces(), config)
@@ -300,7 +298,7 @@ def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
     assert set(optimizers) == {"model", "task/actor", "task/critic", "expl/ensemble", "expl/behavior/actor",
                                "expl/behavior/critic"}
     for opt in optimizers.values():
-        assert isinstance(opt.opt, models.LaProp) and opt.agc == 0.3 and opt.warmup == 3
+        assert isinstance(opt.opt, optim.LaProp) and opt.agc == 0.3 and opt.warmup == 3
     opt = optimizers["task/critic"]
     coeffs = [torch.randn(p.shape, generator=gen(30)) * 1e3 for p in opt.params]
     rates = []
@@ -315,7 +313,7 @@ def test_opt_agc_warmup_and_grad_clip_zero_configure_every_optimizer():
         bound = 0.3 * max(1e-3, float(torch.linalg.vector_norm(old)))
         torch.testing.assert_close(p.grad, c * min(1.0, bound / float(torch.linalg.vector_norm(c))))
     default = dreamer.Dreamer(*spaces(), make_config())
-    assert type(default.optimizers()["model"].opt) is models.Adam and default.optimizers()["model"].agc == 0
+    assert type(default.optimizers()["model"].opt) is optim.Adam and default.optimizers()["model"].agc == 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))  # first: benchmarks/envs.py is not the envs packa
 
 import same_weights  # noqa: E402
 
+import compilation  # noqa: E402
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import models  # noqa: E402
@@ -32,7 +33,7 @@ def make_agent(seed, *flags):
     # Keys out of sorted order, so that the encoder's input order differs from the official one.
     obs_space = {"velocity": box(2), "position": box(3), "is_first": flag, "is_last": flag, "is_terminal": flag}
     act_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
-    config, _ = models.resolve_auto(config, act_space, obs_space)
+    config, _ = compilation.resolve_auto(config, act_space, obs_space)
     torch.manual_seed(seed)
     return dreamer.Dreamer(obs_space, act_space, config), config
 

@@ -153,7 +153,7 @@ def test_a_recording_tape_stands_in_zeros_on_the_samples_device():
     """The batched update records its noise draws with one pass on the training device; the zeros that
     stand in for the noise must be on that device (on the first GPU run they were on the host, and the
     8-seed update stopped: 'found at least two devices'). The meta device stands in for the GPU here."""
-    recorder = distributions.Tape()
+    recorder = seeds.Tape()
     with distributions.tape(recorder):
         onehot = distributions.OneHot(torch.randn(4, 3, 5, device="meta")).sample()
         normal = distributions.normal((6, 2), torch.device("meta"))  # Normal.sample's noise
@@ -168,15 +168,15 @@ def test_a_tape_hands_out_the_noise_its_generator_would_have_drawn():
     def draw():
         return distributions.OneHot(logits).sample(), distributions.Normal(mean, std).sample()
 
-    recorder = distributions.Tape()
+    recorder = seeds.Tape()
     with distributions.tape(recorder):
         draw()
     assert [kind for kind, _ in recorder.draws] == ["uniform", "normal"]
     gen = torch.Generator().manual_seed(3)
     with distributions.generator(gen):
         expected = draw()
-    values = distributions.Tape.draw(recorder.draws, torch.Generator().manual_seed(3), "cpu")
-    with distributions.tape(distributions.Tape(values)):
+    values = seeds.Tape.draw(recorder.draws, torch.Generator().manual_seed(3), "cpu")
+    with distributions.tape(seeds.Tape(values)):
         taped = draw()
     for a, b in zip(taped, expected):
         assert torch.equal(a, b)

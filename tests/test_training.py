@@ -14,6 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import compilation
 import logs
 import tools
 
@@ -259,9 +260,8 @@ def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_
     assert "Compile: off (auto: on a CPU: 4 updates x ~" in out
     assert "less than the ~370 s warm-up; --compile True compiles)" in out
     assert "compile warm-up" not in out
-    import models
 
-    monkeypatch.setitem(models.COMPILERS, True, lambda agent, bodies: ["stub"])
+    monkeypatch.setitem(compilation.COMPILERS, True, lambda agent, bodies: ["stub"])
     dreamer.main([*common, "--compile", "True", "--logdir", str(tmp_path / "explicit")])
     out = capsys.readouterr().out
     assert "Compile: on, step by step (on a CPU measured 1.1-1.6x faster per update after a warm-up" in out

@@ -2,7 +2,7 @@
 
 - the optimizers (Adam, AdamW against torch.optim's; LaProp is checked in test_recipe2024);
 - one backward pass serves the actor and the critic without either loss reaching the other's
-  weights (ActorCritic.loss, models.optimize);
+  weights (ActorCritic.loss, optim.optimize);
 - the compiled update equals the eager one (losses, gradients, parameters after 3 updates) for v1
   and the 2024 recipe in both update modes, with Plan2Explore and the replay context; with zero
   graph breaks and no value read back to the host inside an update;
@@ -25,11 +25,13 @@ import numpy as np
 import pytest
 import torch
 
+import compilation
 import config as cfg
 import dreamer
 import envs
 import launch
 import models
+import optim
 import storage
 import tools
 
@@ -57,7 +59,7 @@ def test_adam_and_adamw_step_as_torch_optim_does(opt, reference, decay):
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(5))]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    optimizer = models.Optimizer("x", ours, lr=1e-2, eps=1e-8, clip=0, weight_decay=decay, opt=opt)
+    optimizer = optim.Optimizer("x", ours, lr=1e-2, eps=1e-8, clip=0, weight_decay=decay, opt=opt)
     torch_optimizer = reference(theirs, lr=1e-2, eps=1e-8, weight_decay=decay)
     for step in range(5):
         coeffs = [torch.randn(p.shape, generator=gen(step), dtype=p.dtype) for p in ours]
@@ -75,7 +77,7 @@ def test_a_torch_adam_checkpoint_loads_and_keeps_stepping():
     torch_optimizer = torch.optim.Adam(params, lr=0.1)
     params[0].grad = torch.ones(3)
     torch_optimizer.step()
-    optimizer = models.Optimizer("x", params, lr=0.1, eps=1e-8, clip=0)
+    optimizer = optim.Optimizer("x", params, lr=0.1, eps=1e-8, clip=0)
     optimizer.load_state_dict({"opt": torch_optimizer.state_dict(), "scaler": optimizer.scaler.state_dict()})
     optimizer(params[0].sum())
     assert optimizer.updates == 2  # the count went on from torch's step count
@@ -86,7 +88,7 @@ def test_a_torch_adam_checkpoint_loads_and_keeps_stepping():
 
 def test_a_copied_optimizer_keeps_its_clipping_warmup_and_count():
     params = [torch.nn.Parameter(torch.ones(2))]
-    optimizer = models.Optimizer("x", params, lr=0.1, eps=1e-8, clip=1.0, opt="laprop", agc=0.3, warmup=3)
+    optimizer = optim.Optimizer("x", params, lr=0.1, eps=1e-8, clip=1.0, opt="laprop", agc=0.3, warmup=3)
     optimizer((params[0] * 2).sum())
     for copied in (copy.deepcopy(optimizer).opt, pickle.loads(pickle.dumps(optimizer.opt))):
         assert (copied.clip, copied.agc, copied.warmup, int(copied.updates)) == (1.0, 0.3, 3, 1)
@@ -166,18 +168,18 @@ def run_updates(agent, batches):
 @pytest.fixture(scope="module")
 def backend():
     """Compile the regions with BACKEND, counting dynamo's graph breaks and graphs from here on."""
-    original = models.Region.__init__
+    original = compilation.Region.__init__
 
     def init(self, fn, name, cuda_graphs, step=False):
         original(self, fn, name, cuda_graphs, step)
         if BACKEND != "inductor":
             self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
 
-    models.Region.__init__ = init
+    compilation.Region.__init__ = init
     torch._inductor.config.fallback_random = True  # Inductor draws eager's random numbers (on CUDA)
     torch._dynamo.utils.counters.clear()
     yield torch._dynamo.utils.counters
-    models.Region.__init__ = original
+    compilation.Region.__init__ = original
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -231,7 +233,7 @@ def test_every_region_ran_compiled_with_no_graph_break(compared):
     steps = [region for region in compiled.compiled if region.name.endswith(".step")]
     assert len(steps) == used, case
     assert {id(region) for region in steps} == {id(opt.opt.step) for opt in optimizers(compiled)
-                                               if isinstance(opt.opt.step, models.Region)}
+                                               if isinstance(opt.opt.step, compilation.Region)}
 
 
 def optimizers(agent):
@@ -314,17 +316,18 @@ def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
     def reads_a_value(x):
         return x * 2 if x.sum().item() > 0 else x
 
-    region = models.Region(reads_a_value, "Example.loss", cuda_graphs=False)
-    with pytest.raises(models.CompileError, match=r"Example\.loss cannot be compiled as one graph.*--compile True"):
+    region = compilation.Region(reads_a_value, "Example.loss", cuda_graphs=False)
+    with pytest.raises(compilation.CompileError,
+                       match=r"Example\.loss cannot be compiled as one graph.*--compile True"):
         region(torch.ones(3))
     assert region.calls == 0
 
 
 def test_a_region_reports_dynamos_recompile_limit_error_as_a_compile_error(backend):
-    region = models.Region(lambda x: x * 2, "Example.step", cuda_graphs=False)
+    region = compilation.Region(lambda x: x * 2, "Example.step", cuda_graphs=False)
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
         region(torch.ones(3))
-        with pytest.raises(models.CompileError, match=r"Example\.step cannot be compiled as one graph"):
+        with pytest.raises(compilation.CompileError, match=r"Example\.step cannot be compiled as one graph"):
             region(torch.ones(4))  # another shape: a second variant
     assert region.calls == 1
 
@@ -336,13 +339,13 @@ def test_compile_update_makes_a_region_past_the_recompile_limit_an_error_not_an_
     agent = types.SimpleNamespace(config=types.SimpleNamespace(device=DEVICE), regions=lambda: [(owner, "step")],
                                   update=types.SimpleNamespace(train_step=lambda batch: None))
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
-        [region] = models.compile_update(agent)
+        [region] = compilation.compile_update(agent)
         assert owner.step is region
         limit = torch._dynamo.config.recompile_limit
         assert limit >= 8 and torch._dynamo.config.fail_on_recompile_limit_hit
         for n in range(1, limit + 1):
             region(torch.ones(n, device=DEVICE))
-        with pytest.raises(models.CompileError, match=r"SimpleNamespace\.step cannot be compiled as one graph"):
+        with pytest.raises(compilation.CompileError, match=r"SimpleNamespace\.step cannot be compiled as one graph"):
             region(torch.ones(limit + 1, device=DEVICE))
     assert region.calls == limit
 
@@ -360,11 +363,11 @@ def test_compile_update_is_refused_under_torchrun(spaces):
 
 def test_compile_auto_is_the_whole_update_on_cuda_and_per_step_under_torchrun(monkeypatch):
     config = cfg.parse(["--configs", "debug", "--device", "cuda"])
-    decision, reason = models.compile_choice(config, counts=None)
+    decision, reason = compilation.compile_choice(config, counts=None)
     assert decision == "update" and "CUDA graphs" in reason
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert models.compile_choice(config, counts=None)[0] is True
+    assert compilation.compile_choice(config, counts=None)[0] is True
 
 
 def test_compile_update_parses_and_the_summary_names_it():
