@@ -55,27 +55,55 @@ class Compiled:
 class Region:
     """One function compiled whole as one graph (fullgraph: a graph break is an error, never a
     silent eager fallback), for compile 'update'. On CUDA the graph is captured as a CUDA graph
-    (mode 'reduce-overhead'); its outputs then live in memory the next replay overwrites, so they
-    are cloned for the caller (metrics are kept until the log interval)."""
+    (mode 'reduce-overhead', CUDA-graph trees), whose outputs live in memory that the replays of
+    the next step overwrite. A step (an update, a policy call) is marked once, at its beginning
+    (`Step`; a region that is a whole step, `step`, marks itself): never between a forward region
+    and the backward pass that needs its activations. What outlives the step (metrics, latents,
+    actions) is what the step returns, cloned out of that memory; a region keeps nothing else
+    (no attribute is set inside one)."""
 
-    def __init__(self, fn, name, cuda_graphs):
-        self.eager, self.name, self.cuda_graphs = fn, name, cuda_graphs
+    def __init__(self, fn, name, cuda_graphs, step=False):
+        self.eager, self.name, self.cuda_graphs, self.step = fn, name, cuda_graphs, step
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                       mode="reduce-overhead" if cuda_graphs else None)
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
-        if self.cuda_graphs:  # the outputs of the last replay were cloned: their memory may be reused
-            torch.compiler.cudagraph_mark_step_begin()
+        if self.step:
+            begin_step(self.cuda_graphs)
         try:
             result = self.compiled(*args, **kwargs)
         except COMPILE_FAILURES as e:
             raise compile_failure("'update'", self.name, e, "--compile True compiles step by step, "
-                                           "--compile False runs eagerly", how=" as one graph") from e
+                                  "--compile False runs eagerly", how=" as one graph") from e
         self.calls += 1
-        if self.cuda_graphs:
-            result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
+        return outlive(result, self.cuda_graphs) if self.step else result
+
+
+class Step:
+    """A step of several regions (an update: forward regions, one backward pass, the optimizers'
+    steps), marked and cloned as Region describes."""
+
+    def __init__(self, fn, cuda_graphs):
+        self.fn, self.cuda_graphs = fn, cuda_graphs
+
+    def __call__(self, *args, **kwargs):
+        begin_step(self.cuda_graphs)
+        return outlive(self.fn(*args, **kwargs), self.cuda_graphs)
+
+
+def begin_step(cuda_graphs):
+    """Mark the beginning of a step for CUDA-graph trees: the outputs of the last step's replays
+    may be overwritten from here on."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def outlive(result, cuda_graphs):
+    """The tensors of a step's `result`, cloned out of the CUDA graphs' memory (on CUDA)."""
+    if not cuda_graphs:
         return result
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, result)
 
 
 def compile_steps(agent, bodies):
@@ -103,16 +131,23 @@ def compile_steps(agent, bodies):
     return compiled
 
 
+def captures_cuda_graphs(config):
+    """Whether compile 'update' captures its regions as CUDA graphs: on CUDA."""
+    return torch.device(config.device).type == "cuda"
+
+
 def compile_update(agent, bodies=None):
     """compile 'update': every update as a few whole graphs, as few as its autograd structure
     allows. Each loss region (the world model's, the actor-critic's, their sum in update 'joint',
     Plan2Explore's ensemble; `agent.regions()`) is compiled forward and, by AOTAutograd, backward;
     the backward pass between them is one call of the compiled backward graph; every optimizer's
     step (clipping, adaptive clipping, warm-up and the update, ClippedOptimizer) and every slow
-    critic's EMA is a region too, and so is the policy step. The 64-step observe and the
-    imagination are unrolled into their graphs. Nothing inside reads a value back to the host, so
-    that on CUDA each region is captured as a CUDA graph. Returns the regions."""
-    cuda_graphs = torch.device(agent.config.device).type == "cuda"
+    critic's EMA is a region too, and so is the policy step. The observe and the imagination are
+    regions of one chunk of at most networks.UNROLL steps, called length / chunk times, so that no
+    graph grows with batch_length or imag_horizon. Nothing inside reads a value back to the host,
+    so that on CUDA each region is captured as a CUDA graph; each update (Step) and each policy
+    call is one CUDA-graph step. Returns the regions."""
+    cuda_graphs = captures_cuda_graphs(agent.config)
     # An update's regions run each with one set of shapes; a few variants (the policy's batch of
     # training and evaluation environments, with and without gradients) stay within the limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
@@ -120,9 +155,11 @@ def compile_update(agent, bodies=None):
     regions = []
     for owner, method in agent.regions():
         name = f"{type(owner).__name__}.{method}"
-        region = Region(getattr(owner, method), name, cuda_graphs)
+        # The policy step is one region, a step of its own; an update is a Step of many.
+        region = Region(getattr(owner, method), name, cuda_graphs, step=(owner, method) == (agent, "act"))
         setattr(owner, method, region)  # an instance attribute: the class's method stays eager
         regions.append(region)
+    agent.update.train_step = Step(agent.update.train_step, cuda_graphs)
     return regions
 
 

@@ -344,8 +344,8 @@ class Dreamer(nn.Module):
             regions += self.expl_behavior.regions()
         return regions
 
-    def extrinsic_reward(self, feat, state, action):
-        return self.wm.heads["reward"](feat).mean()
+    def extrinsic_reward(self, feat, state, action):  # models.ActorCritic's reward_fn: (reward, metrics)
+        return self.wm.heads["reward"](feat).mean(), {}
 
     @torch.no_grad()
     def policy(self, obs, state, mode="train"):

@@ -96,7 +96,6 @@ class Plan2Explore(nn.Module):
                                          warmup=config.warmup)
         self.behavior = models.ActorCritic(config, world_model, act_space, self.intrinsic_reward, prefix="expl_")
         self.optimizers = models.behavior_optimizers(config, self.behavior)  # {name: (Optimizer, terms)}
-        self.reward_stats = {}
 
     def actor(self, feat):
         return self.behavior.actor(feat)
@@ -126,20 +125,22 @@ class Plan2Explore(nn.Module):
             preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]).float())  # (K, N, D)
         return preds.var(0).mean(-1).reshape(lead)
 
-    def intrinsic_reward(self, feat, state, action):  # (H+1, N, ...) -> (H+1, N)
-        """Reward of the exploration actor-critic for imagined states; action[t] is the action
-        taken at feat[t], as in the ensemble's training pairs."""
+    def intrinsic_reward(self, feat, state, action):  # (H, N, ...) -> (H, N), metrics
+        """Reward of the exploration actor-critic for imagined states, and the intrinsic part's
+        mean, std and max; action[t] is the action taken at feat[t], as in the ensemble's
+        training pairs."""
         config = self.config
         disag = self.disagreement(self.inputs(feat, action))
         if config.disag_log:
             disag = torch.log(disag + self.LOG_EPS)
         intr = config.expl_intr_scale * disag
         stats = intr.detach()
-        self.reward_stats = {"expl_intr_reward_mean": stats.mean(), "expl_intr_reward_std": stats.std(),
-                             "expl_intr_reward_max": stats.max()}
+        # Returned, not stored: the exploration actor-critic's loss runs this inside a compiled
+        # region, whose outputs may live in memory that the next CUDA-graph replay overwrites.
+        metrics = {"intr_reward_mean": stats.mean(), "intr_reward_std": stats.std(), "intr_reward_max": stats.max()}
         if not config.expl_extr_scale:
-            return intr
-        return intr + config.expl_extr_scale * self.wm[0].heads["reward"](feat).mean()
+            return intr, metrics
+        return intr + config.expl_extr_scale * self.wm[0].heads["reward"](feat).mean(), metrics
 
     def ensemble_loss(self, post, embed, action, is_first):
         """Mean squared error of every member on the pairs (input at t, target at t + offset).
@@ -187,7 +188,6 @@ class Plan2Explore(nn.Module):
                     {name: self.optimizers[name] for name in names}, losses, scales).items()})
         models.after_steps(behavior, losses, behavior_metrics)
         metrics.update(behavior_metrics)
-        metrics.update(self.reward_stats)
         return metrics
 
 

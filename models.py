@@ -147,10 +147,15 @@ class WorldModel(nn.Module):
         `start` (deter (B, D), stoch (B, S[, C]); None: the initial state): {term: (B, T)}, unscaled
         (models.Update scales and sums them), the posterior, the embedding and metrics (the scaled
         terms' means; dyn_loss and rep_loss are the KLs before the free nats)."""
-        config = self.config
         embed = self.embed(data)  # (B, T, E)
         post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
-        scales = self.scales
+        losses, metrics = self.loss_terms(data, post, prior)
+        return losses, post, embed, metrics
+
+    def loss_terms(self, data, post, prior):
+        """The terms and metrics of `loss` from the posteriors and priors (B, T, ...) of the
+        observed sequence: the heads' losses and the KL terms."""
+        config, scales = self.config, self.scales
         feat = self.rssm.get_feat(post)  # (B, T, F)
         losses = {}  # term: (B, T)
         for name, head in self.heads.items():
@@ -162,7 +167,7 @@ class WorldModel(nn.Module):
         metrics.update(kl_loss=kl.detach().mean(), dyn_loss=dyn.detach().mean(), rep_loss=rep.detach().mean(),
                        prior_entropy=self.rssm.dist(prior).entropy().detach().mean(),
                        post_entropy=self.rssm.dist(post).entropy().detach().mean())
-        return losses, post, embed, metrics
+        return losses, metrics
 
     def decoder_loss(self, pred, data):  # {key: dist} -> {key: (B, T)}
         return {key: -dist.log_prob(data[key]) for key, dist in pred.items()}
@@ -275,37 +280,41 @@ class ReturnNorm(nn.Module):
 # ==================================================================================================
 
 
-def rollout(rssm, actor, start, horizon, through_dynamics):
-    """Roll `actor` out in `rssm` for `horizon` steps from every start state (N, ...); the
-    actions feed the dynamics with their gradient only when `through_dynamics`.
+def rollout(rssm, actor, state, steps, through_dynamics):
+    """Roll `actor` out in `rssm` for `steps` steps from every state (N, ...); the actions feed the
+    dynamics with their gradient only when `through_dynamics`.
 
-    Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the actor's raw
-    outputs (H+1, N, D), kept so that the actor loss need not run the actor again.
-    The action at the last state is sampled too but never executed.
+    Returns the state reached and, for the `steps` states it started from, a tuple of feat (K, N, F),
+    state dict (K, N, ...), action (K, N, A) and the actor's raw outputs (K, N, D), kept so that
+    the actor loss need not run the actor again.
     """
-    state = start
     feats, states, actions, outs = [], [], [], []
-    for t in range(horizon + 1):
-        feat = rssm.get_feat(state)
-        out = actor.raw(feat.detach())
-        action = actor.dist(out).sample()
+    for _ in range(steps):
+        feat, out, action = act_in(rssm, actor, state)
         feats.append(feat)
         states.append(state)
         actions.append(action)
         outs.append(out)
-        if t < horizon:  # without the dynamics gradient the imagined states record no graph
-            with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
-                state = rssm.img_step(state, action if through_dynamics else action.detach())
+        with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):  # else no graph is recorded
+            state = rssm.img_step(state, action if through_dynamics else action.detach())
     stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
-    states = {k: stack([s[k] for s in states]) for k in states[0]}
-    return stack(feats), states, stack(actions), stack(outs)
+    return state, (stack(feats), networks.stack_steps(states, 0), stack(actions), stack(outs))
+
+
+def act_in(rssm, actor, state):
+    """The feature of `state` (N, ...), the actor's raw outputs there and the action it samples."""
+    feat = rssm.get_feat(state)
+    out = actor.raw(feat.detach())
+    return feat, out, actor.dist(out).sample()
 
 
 class ActorCritic(nn.Module):
     """Actor and critic trained on trajectories imagined by the world model (Section 3).
 
-    `reward_fn(feat, state, action) -> (H+1, N)` supplies the reward, so that the same class
-    serves the task (extrinsic reward) and Plan2Explore (intrinsic reward). It holds no optimizer:
+    `reward_fn(feat, state, action) -> (reward (H, N), metrics)` supplies the reward of imagined
+    states 1..H, so that the same class serves the task (extrinsic reward) and Plan2Explore
+    (intrinsic reward); its metrics are returned with the loss's, not kept as a side effect, so
+    that a compiled loss has none. It holds no optimizer:
     the update that steps it builds them (Update for the task's, Plan2Explore for its own).
     """
 
@@ -326,11 +335,27 @@ class ActorCritic(nn.Module):
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
     def imagine(self, start):
-        """Roll the policy out for imag_horizon steps from every start state (N, ...); see `rollout`.
-        REINFORCE needs no gradient through the imagined dynamics: cut there, the rollout records no
-        graph beyond the actor's own outputs."""
+        """Roll the policy out for imag_horizon steps H from every start state (N, ...), in chunks of
+        networks.chunk_length(H) steps (imagine_steps, which compile 'update' compiles as one
+        graph). Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the
+        actor's raw outputs (H+1, N, D) (see `rollout`); the action at the last state is sampled
+        too but never executed."""
+        horizon = self.config.imag_horizon
+        size, state, chunks = networks.chunk_length(horizon), start, []
+        for _ in range(0, horizon, size):
+            state, chunk = self.imagine_steps(state, size)
+            chunks.append(chunk)
+        feat, out, action = act_in(self.wm[0].rssm, self.actor, state)
+        chunks.append((feat[None], {k: v[None] for k, v in state.items()}, action[None], out[None]))
+        feats, states, actions, outs = zip(*chunks)
+        return torch.cat(feats), networks.cat_steps(states, 0), torch.cat(actions), torch.cat(outs)
+
+    def imagine_steps(self, state, steps):
+        """`steps` steps of the rollout from `state` (N, ...); see `rollout`. REINFORCE needs no
+        gradient through the imagined dynamics: cut there, the rollout records no graph beyond the
+        actor's own outputs."""
         through_dynamics = self.config.imag_gradient != "reinforce"
-        return rollout(self.wm[0].rssm, self.actor, start, self.config.imag_horizon, through_dynamics)
+        return rollout(self.wm[0].rssm, self.actor, state, steps, through_dynamics)
 
     def loss(self, start, start_cont):
         """Imagine from the start states (N, ...) with their continue flags (N,) and return the loss
@@ -342,16 +367,22 @@ class ActorCritic(nn.Module):
         returns bootstrap from are computed with its weights detached, and the critic learns from a
         pass of its own on the detached features. The callers freeze the world model where its
         weights would otherwise receive the actor's dynamics gradient (Update.train_step)."""
+        with precision.autocast(self.config), profiled("imagination"):
+            feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
+        return self.imagined_loss(feat, state, action, policy_out, start_cont)
+
+    def imagined_loss(self, feat, state, action, policy_out, start_cont):
+        """`loss` from the imagined trajectories (`imagine`'s outputs, (H+1, N, ...))."""
         config = self.config
         wm = self.wm[0]
         through_dynamics = config.imag_gradient != "reinforce"
         with precision.autocast(config):
             with profiled("imagination"):
-                feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
                 # REINFORCE needs no gradient through the rewards and values of imagined states.
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
                     # Rewards of the states reached, steps 1..H: (H, N).
-                    reward = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()}, action[1:])
+                    reward, reward_metrics = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()},
+                                                            action[1:])
                     value = self.values(feat)  # (H+1, N)
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
@@ -368,7 +399,7 @@ class ActorCritic(nn.Module):
                 critic, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
                 metrics.update(critic_metrics)
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
-                       imag_value=value.detach().mean())
+                       imag_value=value.detach().mean(), **reward_metrics)
         return {"policy": actor, "value": critic}, returns, metrics
 
     def values(self, feat):
@@ -546,10 +577,10 @@ def step(optimizers, losses, scales):
 
 
 def behavior_regions(behavior, optimizers, replay=False):
-    """What compile 'update' compiles whole of an actor-critic: its imagination loss, with `replay`
-    its replay value loss, its optimizers' steps (`optimizers`, {name: (Optimizer, terms)}) and the
-    slow critic's EMA."""
-    return [(behavior, "loss"), *[(behavior, "replay_loss")] * bool(replay),
+    """What compile 'update' compiles whole of an actor-critic: its imagination in chunks of steps
+    and its loss on the imagined trajectories, with `replay` its replay value loss, its optimizers'
+    steps (`optimizers`, {name: (Optimizer, terms)}) and the slow critic's EMA."""
+    return [(behavior, "imagine_steps"), (behavior, "imagined_loss"), *[(behavior, "replay_loss")] * bool(replay),
             *[(opt.opt, "step") for opt, _ in optimizers.values()], (behavior, "update_slow_critic")]
 
 
@@ -643,9 +674,12 @@ class Update:
         self.optimizers = UPDATES[config.update](config, world_model, behavior)  # {name: (Optimizer, terms)}
 
     def regions(self):
-        """What compile 'update' compiles whole: the three parts' losses, every optimizer's step and
-        the slow critic's EMA."""
-        return [(self.wm, "loss"), *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
+        """What compile 'update' compiles whole: the three parts' losses (the world model's as its
+        encoder, its observe in chunks of steps and its loss terms; the recurrences in chunks, so
+        that no graph grows with batch_length or imag_horizon), every optimizer's step and the slow
+        critic's EMA."""
+        return [(self.wm, "embed"), (self.wm.rssm, "observe_chunk"), (self.wm, "loss_terms"),
+                *behavior_regions(self.behavior, self.optimizers, self.config.critic.repval)]
 
     def train_step(self, batch, data=None):
         """One update on a replayed batch (B, K + T, ...) of numpy arrays with K replay_context

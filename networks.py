@@ -661,16 +661,27 @@ class RSSM(nn.Module):
 
     def observe(self, embed, action, is_first, state=None):
         """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
-        as dicts of (B, T, ...)."""
+        as dicts of (B, T, ...). The steps run in chunks of chunk_length(T) (observe_chunk), which
+        compile 'update' compiles as one graph called T / chunk times."""
         init = self.initial(embed.shape[0])
         state = dict(init if state is None else state)  # a copy: a compiled obs_step guards on aliasing
+        size, posts, priors = chunk_length(embed.shape[1]), [], []
+        for t in range(0, embed.shape[1], size):
+            state, post, prior = self.observe_chunk(state, action[:, t:t + size], embed[:, t:t + size],
+                                                    is_first[:, t:t + size], init)
+            posts.append(post)
+            priors.append(prior)
+        return cat_steps(posts, 1), cat_steps(priors, 1)
+
+    def observe_chunk(self, state, action, embed, is_first, init):
+        """obs_step over the K steps of action (B, K, A), embed (B, K, E) and is_first (B, K) from
+        `state`, resetting to `init`: the last posterior and the posteriors and priors (B, K, ...)."""
         posts, priors = [], []
         for t in range(embed.shape[1]):
             state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
             posts.append(state)
             priors.append(prior)
-        stack = lambda seq: {k: torch.stack([s[k] for s in seq], 1) for k in seq[0]}  # noqa: E731
-        return stack(posts), stack(priors)
+        return state, stack_steps(posts, 1), stack_steps(priors, 1)
 
     def imagine_with_action(self, action, state):
         """Open-loop prediction: action (B, T, A) from state (B, ...) -> priors (B, T, ...)."""
@@ -698,6 +709,29 @@ class RSSM(nn.Module):
         if self.discrete:
             return distributions.kl_categorical(lhs["logit"], rhs["logit"])
         return distributions.kl_normal(lhs["mean"], lhs["std"], rhs["mean"], rhs["std"])
+
+
+# The longest chunk of recurrent steps (RSSM.observe_chunk, models.ActorCritic.imagine_steps) that
+# compile 'update' compiles as one graph: its graphs' size, and so its compilation time, no longer
+# grows with batch_length and imag_horizon (TorchRL's DreamerV3 unrolls its scan by 8 likewise).
+UNROLL = 8
+
+
+def chunk_length(steps):
+    """The chunk that `steps` recurrent steps run in: the longest that divides them and is at most
+    UNROLL, so that every chunk has one length and one compiled graph serves all (64 -> 8, 15 -> 5;
+    a prime length over UNROLL runs one step at a time)."""
+    return max((k for k in range(1, min(steps, UNROLL) + 1) if steps % k == 0), default=1)
+
+
+def stack_steps(states, dim):
+    """A list of state dicts -> one dict of tensors stacked along `dim`."""
+    return {k: torch.stack([s[k] for s in states], dim) for k in states[0]}
+
+
+def cat_steps(chunks, dim):
+    """A list of state dicts of stacked steps -> one dict, concatenated along `dim`."""
+    return {k: torch.cat([c[k] for c in chunks], dim) for k in chunks[0]}
 
 
 # How the RSSM bounds the mean (dyn_mean_act) and the standard deviation (dyn_std_act) of Gaussian latents.

@@ -48,7 +48,17 @@ class ClippedOptimizer(torch.optim.Optimizer):
                         state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         device = self.param_groups[0]["params"][0].device
         self.updates, self.grad_norm = self.updates.to(device), self.grad_norm.to(device)
+        # Static addresses: a compiled step (compile 'update') updates them in place inside its CUDA
+        # graph. CUDA-graph trees would skip the graph of a step that mutates any other input.
+        for tensor in self.state_tensors():
+            torch._dynamo.mark_static_address(tensor)
         self.ready = True
+
+    def state_tensors(self):
+        """Every tensor a step updates in place besides the parameters and their gradients: the
+        moments, the count and the last gradient norm."""
+        moments = [state[key] for state in self.state.values() for key in self.STATE if key in state]
+        return [*moments, self.updates, self.grad_norm]
 
     def rate(self, group):
         """The learning rate of this update: lr, times min(1, updates / warmup) in the warm-up."""

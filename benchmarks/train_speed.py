@@ -15,8 +15,10 @@ of --updates updates each (so that a shared machine's load affects all alike): e
 value of --compile_modes (False: eager, True: per-step compile, update: the whole update) at every --precision of
 --precisions. It prints one table row per setting: warm-up seconds (the first --warmup updates,
 compilation included), seconds per update (median over the rounds), speed relative to the first
-setting, and operator calls in one profiled update: aten operators (leaf calls, those that call no
-other aten operator: about one kernel launch each on a GPU) and compiled (fused) kernels.
+setting, operator calls in one profiled update: aten operators (leaf calls, those that call no
+other aten operator: about one kernel launch each on a GPU) and compiled (fused) kernels, and the
+warm-up's CPU seconds (this process and the compiler processes it ran; on a loaded machine the
+work the warm-up took).
 
     python3 benchmarks/train_speed.py --configs dmc_proprio recipe2024 size1m --task dmc_cartpole_balance \
         --device cpu --batch_size 16 --batch_length 64 --threads 1 --compare --updates 3 --rounds 3
@@ -129,6 +131,13 @@ def kernel_launches(agent, batches, sync):
     return sum(event.name in names for event in profiler.events()) / len(batches)
 
 
+def cpu_seconds():
+    """CPU seconds of this process and of its ended children (Inductor's C++ compiler runs): on a
+    loaded machine the work a warm-up took, which its wall time overstates."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def compare(args, config, env, replay, length):
     """Every setting of --compile_modes x --precisions on one replay, interleaved; one table."""
     import statistics
@@ -137,19 +146,19 @@ def compare(args, config, env, replay, length):
     sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
     settings = [(cfg.parse(["--compile", mode]).compile, cfg.parse(["--precision", precision]).precision)
                 for mode in args.compile_modes.split(",") for precision in args.precisions.split(",")]
-    agents, warmups = {}, {}
+    agents, warmups, warmup_cpu = {}, {}, {}
     for setting in settings:
         compile_, precision = setting
         torch.manual_seed(config.seed)
         agent_config = config.replace(compile=compile_, precision=precision)
         agents[setting] = dreamer.Dreamer(env.obs_space, env.act_space, agent_config).to(config.device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         for _ in range(args.warmup):
             agents[setting].update.train_step(replay.sample(config.batch_size, length))
         sync()
-        warmups[setting] = time.perf_counter() - start
-        print(f"compile {compile_} precision {precision}: warm-up {warmups[setting]:.1f} s", file=sys.stderr,
-              flush=True)
+        warmups[setting], warmup_cpu[setting] = time.perf_counter() - start, cpu_seconds() - cpu
+        print(f"compile {compile_} precision {precision}: warm-up {warmups[setting]:.1f} s "
+              f"({warmup_cpu[setting]:.1f} CPU s)", file=sys.stderr, flush=True)
     times = {setting: [] for setting in settings}
     for _ in range(args.rounds):
         batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
@@ -171,14 +180,14 @@ def compare(args, config, env, replay, length):
           f"batch {config.batch_size}x{config.batch_length}  torch {torch.__version__}  "
           f"{args.rounds} rounds x {args.updates} updates after {args.warmup} warm-up updates")
     print("| compile | precision | warm-up s | s/update (median; range) | speed vs first | aten ops/update "
-          "| compiled kernels/update |")
-    print("|---|---|---|---|---|---|---|")
+          "| compiled kernels/update | warm-up CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     first = statistics.median(times[settings[0]])
     for setting in settings:
         median = statistics.median(times[setting])
         print(f"| {setting[0]} | {setting[1]} | {warmups[setting]:.2f} | {median:.3f} "
               f"({min(times[setting]):.3f}-{max(times[setting]):.3f}) | {first / median:.2f}x "
-              f"| {calls[setting][0]:,} | {calls[setting][1]:,} |")
+              f"| {calls[setting][0]:,} | {calls[setting][1]:,} | {warmup_cpu[setting]:.1f} |")
     print(f"updates_per_s={1 / statistics.median(times[settings[-1]]):.4f}")
 
 

@@ -561,7 +561,7 @@ def make_actor_critic(*flags, reward_fn=None):
     config, _ = compilation.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
-    reward_fn = reward_fn or (lambda feat, state, action: wm.heads["reward"](feat).mean())
+    reward_fn = reward_fn or (lambda feat, state, action: (wm.heads["reward"](feat).mean(), {}))
     return config, wm, models.ActorCritic(config, wm, ACT_SPACE, reward_fn)
 
 
@@ -787,7 +787,7 @@ def capture_actor_loss(ac, wm):
         with torch.no_grad():
             seen.update(feat=feat.detach().clone(), value=ac.critic(feat[1:]).mean().clone(),
                         cont=wm.heads["cont"](feat[1:]).mode()[..., 0].clone(),
-                        reward=ac.reward_fn(feat, None, action).clone())
+                        reward=ac.reward_fn(feat, None, action)[0].clone())
         return feat, state, action, out
 
     def recorded(action, returns, weight, *args):
@@ -812,7 +812,7 @@ def behavior_update(config, wm, ac, start, start_cont):
 
 def test_train_step_weight_and_returns_against_reference():
     config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--discount", "0.9", "--discount_lambda", "0.8",
-                                       reward_fn=lambda feat, state, action: feat[..., :3].sum(-1))
+                                       reward_fn=lambda feat, state, action: (feat[..., :3].sum(-1), {}))
     perturb(ac.slow_critic, 37)
     with torch.no_grad():  # a continue head that predicts both outcomes
         wm.heads["cont"].out.bias.fill_(0.2)
@@ -841,7 +841,7 @@ def test_actor_gradient_reaches_the_bootstrap_value(mode):
     """With zero rewards and no entropy bonus, the return is made of critic values only; the actor
     must still learn from it (dynamics: backprop through the values of imagined states)."""
     config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient",
-                                       mode, reward_fn=lambda feat, state, action: feat.sum(-1) * 0.0)
+                                       mode, reward_fn=lambda feat, state, action: (feat.sum(-1) * 0.0, {}))
     perturb(ac.slow_critic, 38)
     metrics = behavior_update(config, wm, ac, start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6

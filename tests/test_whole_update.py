@@ -156,8 +156,8 @@ def backend():
     """Compile the regions with BACKEND, counting dynamo's graph breaks and graphs from here on."""
     original = compilation.Region.__init__
 
-    def init(self, fn, name, cuda_graphs):
-        original(self, fn, name, cuda_graphs)
+    def init(self, fn, name, cuda_graphs, step=False):
+        original(self, fn, name, cuda_graphs, step)
         if BACKEND != "inductor":
             self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
 
@@ -209,8 +209,8 @@ def test_every_region_ran_compiled_with_no_graph_break(compared):
     case, compiled, _, breaks = compared
     assert breaks == 0, case
     names = {region.name for region in compiled.compiled}
-    expected = {"WorldModel.loss", "ActorCritic.loss", "ActorCritic.replay_loss", "Plan2Explore.ensemble_loss"}
-    assert names >= {"Dreamer.act", "ActorCritic.update_slow_critic"} and names & expected, case
+    assert names >= {"Dreamer.act", "ActorCritic.update_slow_critic", "WorldModel.embed", "RSSM.observe_chunk",
+                     "WorldModel.loss_terms", "ActorCritic.imagine_steps", "ActorCritic.imagined_loss"}, case
     assert all(region.calls >= 1 for region in compiled.compiled if region.name != "Dreamer.act"), case
     # The optimizers that step are regions: each network's own in the sequential update, the one
     # joint optimizer otherwise; Plan2Explore's ensemble, actor and critic in both.
@@ -322,7 +322,8 @@ def test_compile_update_makes_a_region_past_the_recompile_limit_an_error_not_an_
     """compile_update's own settings, from dynamo's defaults (which would run the extra variants
     eagerly): a region may take up to recompile_limit variants, and the next is a CompileError."""
     owner = types.SimpleNamespace(step=lambda x: x * 2)
-    agent = types.SimpleNamespace(config=types.SimpleNamespace(device=DEVICE), regions=lambda: [(owner, "step")])
+    agent = types.SimpleNamespace(config=types.SimpleNamespace(device=DEVICE), regions=lambda: [(owner, "step")],
+                                  update=types.SimpleNamespace(train_step=lambda batch: None))
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
         [region] = compilation.compile_update(agent)
         assert owner.step is region
