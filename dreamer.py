@@ -348,10 +348,16 @@ class Dreamer(nn.Module):
 
     @torch.no_grad()
     def policy(self, obs, state, mode="train"):
-        """obs: dict of (N, ...) arrays; state: (latent, action) or None; mode: train, explore or eval.
+        """obs: dict of (N, ...) arrays; state: (latent, action, stored) or None; mode: train, explore
+        or eval.
 
-        Returns actions (N, A) as numpy and the new state.
+        Returns actions (N, A) as numpy and the new state, whose `stored` holds the latents to store
+        with the steps acted on (models.ReplayContext.entries) as numpy arrays. The observations go to
+        the device in one copy and the action and latents come back in one (storage.to_device,
+        to_host): two waits for the device per step, not one per key.
         """
+        obs = storage.to_device({k: v for k, v in obs.items() if not k.startswith("log_")},
+                                 self.wm.rssm.img_stats.weight.device)
         data = self.wm.preprocess(obs)
         embed = self.wm.encoder(data)
         if state is None:
@@ -359,9 +365,11 @@ class Dreamer(nn.Module):
             latent = self.wm.rssm.initial(n)
             action = torch.zeros(n, self.act_size, device=embed.device)
         else:
-            latent, action = state
+            latent, action, _ = state
         latent, action = self.act(embed, data["is_first"], latent, action, mode)
-        return action.cpu().numpy(), (latent, action)
+        prefix = models.ReplayContext.PREFIX
+        host = storage.to_host({"action": action, **{k: latent[k[len(prefix):]] for k in self.context.spec}})
+        return host.pop("action"), (latent, action, host)
 
     def act(self, embed, is_first, latent, action, mode):
         """The policy step on the device: embed (N, E), is_first (N,), the last latent and action
@@ -751,6 +759,8 @@ class Trainer:
         # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
         with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
             self.count()
+            if self.agent is not None:
+                self.agent.context.flush()  # the last update's write-back, which a resumed run would not find
             if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
                 self.counters.stored_steps = storage.stored_steps(self.traindir)
             state = self.checkpoints.state()

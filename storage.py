@@ -629,6 +629,11 @@ class Replay:
         with self.lock:
             return sum(len(s) for s in self.streams)
 
+    @property
+    def on_host(self):
+        """Whether the steps are numpy arrays in host memory (not replay_device)."""
+        return self.device is None
+
     def add(self, step, stream=0):
         """Append one step to a stream; returns its id (stream, index among the stream's steps)."""
         with self.lock:
@@ -810,6 +815,8 @@ class Prefetcher:
         self.ahead = (self.cuda and replay.device is None) if ahead is None else ahead
         self.pending = None  # (thread, result dict) of the batch being sampled ahead
 
+    on_host = property(lambda self: self.replay.on_host)
+
     def host_array(self, shape, dtype):
         """Where a batch is sampled into: pinned memory on CUDA (an asynchronous copy needs it),
         plain numpy otherwise."""
@@ -881,6 +888,75 @@ def host_tensor(array):
     if isinstance(base, torch.Tensor) and base.data_ptr() == array.ctypes.data and base.shape == array.shape:
         return base
     return torch.from_numpy(array)
+
+
+class Fetch:
+    """Tensors (dict of float (B, ...) tensors) brought to the host with one copy that does not wait:
+    on CUDA copied together into pinned memory with non_blocking=True, an event recorded after the
+    copy; `result()` waits on that event (by then long done: models.ReplayContext.write_back reads it
+    one update later) and gives numpy views of the copy. On a CPU the values are in host memory
+    already. With `on_host` False (a replay on the device) the tensors stay where they are."""
+
+    def __init__(self, tensors, on_host=True):
+        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        self.tensors, self.host, self.event = None, None, None
+        if not on_host:
+            self.tensors = {k: v.detach() for k, v in tensors.items()}
+            return
+        flat = torch.cat([v.detach().float().reshape(len(v), -1) for v in tensors.values()], 1)
+        if flat.device.type == "cuda":
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat
+
+    def result(self):
+        if self.tensors is not None:
+            return self.tensors
+        if self.event is not None:
+            self.event.synchronize()
+        array, out, at = self.host.numpy(), {}, 0
+        for key, shape in self.shapes.items():
+            size = int(np.prod(shape[1:], dtype=np.int64))
+            out[key] = array[:, at:at + size].reshape(shape)
+            at += size
+        return out
+
+
+def to_device(arrays, device):
+    """dict of numpy arrays -> dict of tensors on `device`, moved with one host-to-device copy: the
+    arrays' bytes packed into one buffer (each at an offset aligned to 8 bytes), viewed back as their
+    dtypes and shapes on the device (the policy's observations: one copy per environment step, not
+    one per key)."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    offsets, total = {}, 0
+    for key, array in arrays.items():
+        offsets[key] = total
+        total += -(-array.nbytes // 8) * 8
+    buffer = np.zeros(total, np.uint8)
+    for key, array in arrays.items():
+        buffer[offsets[key]:offsets[key] + array.nbytes] = array.reshape(-1).view(np.uint8)
+    flat = torch.as_tensor(buffer, device=device)
+    out = {}
+    for key, array in arrays.items():
+        dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
+        out[key] = flat[offsets[key]:offsets[key] + array.nbytes].view(dtype).view(array.shape)
+    return out
+
+
+def to_host(tensors):
+    """dict of (N, ...) tensors -> dict of float32 numpy arrays, moved with one device-to-host copy
+    (the policy's action and latents: one copy per environment step, not one per tensor)."""
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    flat = torch.cat([v.detach().float().reshape(len(v), -1) for v in tensors.values()], 1).cpu().numpy()
+    out, at = {}, 0
+    for key, shape in shapes.items():
+        size = int(np.prod(shape[1:], dtype=np.int64))
+        out[key] = flat[:, at:at + size].reshape(shape)
+        at += size
+    return out
 
 
 def overlay(batch, ids, length, written_ids, values):
