@@ -328,7 +328,10 @@ def rng_state(replay_rng):
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     own = distributions.current_generator()
-    return {"torch": torch.get_rng_state() if own is None else own.get_state(),
+    # On CUDA the samples draw from each device's own generator: saved too, so that a resumed CUDA run
+    # repeats the straight one ([] where CUDA was never used: nothing drew from it).
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return {"torch": torch.get_rng_state() if own is None else own.get_state(), "cuda": cuda,
             "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
             "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
 
@@ -339,6 +342,8 @@ def set_rng_state(state, replay_rng):
         torch.set_rng_state(state["torch"])
     else:
         own.set_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():  # older checkpoints and CPU runs hold none
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]

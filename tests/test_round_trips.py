@@ -128,3 +128,4 @@ def test_round_trips_per_update_and_per_environment_step(replay_device, tmp_path
     assert len(step_calls) <= 2, step_calls
     assert len(eager_calls) <= 1, eager_calls
     assert compiled_calls == [], compiled_calls
+
