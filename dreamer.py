@@ -594,6 +594,7 @@ class Trainer:
         (README, Going faster)."""
         config, limiter, env = self.config, self.schedules["train"], self.train_envs[0]
         limiter.load_state_dict({"updates": limiter.updates, "inserts": self.counters.policy_steps})
+        self.actor_stream = launch.SideStream(config.device)  # on CUDA the actor's work has a stream of its own
         self.actor_agent = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
         self.actor_agent.to(config.device).requires_grad_(False)
         self.actor = parallel.CollectorThread(self.collector, self.actor_policy, limiter, self.counters.policy_steps,
@@ -671,10 +672,11 @@ class Trainer:
 
     def actor_policy(self, obs, state):
         """The collector thread's: the agent's copy, at the frames that thread counted."""
-        return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
+        with self.actor_stream():
+            return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
 
     def sync_actor(self):
-        with self.actor.policy_lock:
+        with self.actor.policy_lock, self.actor_stream.handover():
             self.actor_agent.load_state_dict(self.agent.state_dict())
         self.synced = self.counters.updates
 

@@ -312,6 +312,32 @@ def keep_freed_memory():
 # ==================================================================================================
 
 
+class SideStream:
+    """A CUDA stream of its own for the device work of another thread (the asynchronous actor,
+    dreamer.Trainer.train_asynchronously), so that each of its waits for the device (the action it
+    needs back) waits for its own kernels, not behind the learner's queued update on the default
+    stream. On a CPU it does nothing. `with side():` runs work on it; `with side.handover():` wraps a
+    change of what its work reads (the learner's weights copied in, on the caller's stream): the copy
+    waits for the work queued on the side stream, and the side stream's later work for the copy."""
+
+    def __init__(self, device):
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __call__(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def handover(self):
+        if self.stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        yield
+        self.stream.wait_stream(current)
+
+
 def seed_everything(seed, deterministic):
     random.seed(seed)
     np.random.seed(seed)
