@@ -32,10 +32,20 @@ MADE = ("tensor", "as_tensor")  # a tensor from host data on the device: on CUDA
 
 
 class RoundTrips:
-    """Counts READS on tensors and MADE on host data (numpy arrays, Python numbers and lists) while `on`."""
+    """Counts READS on tensors and MADE on host data (numpy arrays, Python numbers and lists) while `on`,
+    and storage.to_device's copies as "staged" (on CUDA one copy from pinned memory that does not make
+    the host wait: test_a_staged_copy_is_one_copy_from_pinned_memory_that_does_not_wait)."""
 
     def __init__(self, monkeypatch):
         self.calls, self.on = [], False
+        to_device = storage.to_device
+
+        def staged(arrays, device):
+            if self.on:
+                self.calls.append("staged")
+            return to_device(arrays, device)
+
+        monkeypatch.setattr(storage, "to_device", staged)
         for name in READS:
             original = getattr(torch.Tensor, name)
 
@@ -100,12 +110,7 @@ def update(agent, feed, pause=None):
     agent.context.write_back(feed, ids, latents)
 
 
-# A replay on the device still copies each step's keys one by one and each sampled batch's indices per
-# stream and key (issue 53, not done yet): strict, so that the fix turns this into a failure to update.
-DEVICE_REPLAY_TODO = pytest.mark.xfail(strict=True, reason="--replay_device True: per-key index and step copies")
-
-
-@pytest.mark.parametrize("replay_device", [False, pytest.param(True, marks=DEVICE_REPLAY_TODO)])
+@pytest.mark.parametrize("replay_device", [False, True])
 def test_round_trips_per_update_and_per_environment_step(replay_device, tmp_path, monkeypatch):
     config, agent, replay, collector, feed = make(replay_device, tmp_path)
     policy = lambda obs, state: agent.policy(obs, state, "train")  # noqa: E731
@@ -125,7 +130,41 @@ def test_round_trips_per_update_and_per_environment_step(replay_device, tmp_path
     with trips.counting() as calls:
         update(agent, feed, trips.paused)
     compiled_calls = list(calls)
+    # An environment step: the observations in, one staged copy (a replay on the device stages the
+    # new steps and their latents for the next batch's copy); the action and latents back, one read.
+    waits = lambda calls: [call for call in calls if call != "staged"]  # noqa: E731
+    assert step_calls.count("staged") == 1 and len(waits(step_calls)) <= 1, step_calls
     assert len(step_calls) <= 2, step_calls
-    assert len(eager_calls) <= 1, eager_calls
-    assert compiled_calls == [], compiled_calls
+    # An update: nothing waits; a replay on the device moves its staged steps and the batch's indices
+    # in one staged copy.
+    assert waits(eager_calls) == [] and eager_calls.count("staged") == (1 if replay_device else 0), eager_calls
+    assert waits(compiled_calls) == [], compiled_calls
 
+
+
+def test_a_staged_copy_is_one_copy_from_pinned_memory_that_does_not_wait(monkeypatch):
+    """storage.to_device on CUDA, stood in for on the CPU: the arrays (every dtype, with their shapes)
+    packed into one pinned buffer and copied once with non_blocking=True; the tensors it gives back
+    hold the arrays' values."""
+    pinned, copies = [], []
+    zeros, to = torch.zeros, torch.Tensor.to
+
+    def fake_zeros(*args, pin_memory=False, **kwargs):
+        pinned.append(pin_memory)
+        return zeros(*args, **kwargs)
+
+    def fake_to(tensor, device, non_blocking=False):
+        copies.append((str(device), non_blocking))
+        return to(tensor, "cpu")
+
+    monkeypatch.setattr(torch, "zeros", fake_zeros)
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    rng = np.random.default_rng(0)
+    arrays = {"image": rng.integers(0, 255, (3, 4, 4, 3), dtype=np.uint8), "flag": np.array([True, False, True]),
+              "vector": rng.normal(size=(3, 5)).astype(np.float32), "index": np.arange(7, dtype=np.int64)[::2],
+              "empty": np.zeros((0, 2), np.float32)}
+    moved = storage.to_device(arrays, "cuda")
+    assert pinned == [True] and copies == [("cuda", True)]
+    for key, array in arrays.items():
+        np.testing.assert_array_equal(moved[key].numpy(), array, err_msg=key)
+        assert moved[key].shape == array.shape
