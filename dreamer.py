@@ -353,29 +353,31 @@ class Dreamer(nn.Module):
 
         Returns actions (N, A) as numpy and the new state, whose `stored` holds the latents to store
         with the steps acted on (models.ReplayContext.entries) as numpy arrays. The observations go to
-        the device in one copy and the action and latents come back in one (storage.to_device,
-        to_host): two waits for the device per step, not one per key.
+        the device in one copy that does not wait (storage.to_device) and the action and latents come
+        back in one (storage.to_host): one wait for the device per step, not one per key.
         """
         obs = storage.to_device({k: v for k, v in obs.items() if not k.startswith("log_")},
                                  self.wm.rssm.img_stats.weight.device)
-        data = self.wm.preprocess(obs)
-        embed = self.wm.encoder(data)
         if state is None:
-            n = len(embed)
+            n = len(obs["is_first"])
             latent = self.wm.rssm.initial(n)
-            action = torch.zeros(n, self.act_size, device=embed.device)
+            action = torch.zeros(n, self.act_size, device=obs["is_first"].device)
         else:
             latent, action, _ = state
-        latent, action = self.act(embed, data["is_first"], latent, action, mode)
+        latent, action = self.act(obs, latent, action, mode)
         prefix = models.ReplayContext.PREFIX
         host = storage.to_host({"action": action, **{k: latent[k[len(prefix):]] for k in self.context.spec}})
         return host.pop("action"), (latent, action, host)
 
-    def act(self, embed, is_first, latent, action, mode):
-        """The policy step on the device: embed (N, E), is_first (N,), the last latent and action
-        (N, A) -> the new latent and the action to take."""
+    def act(self, obs, latent, action, mode):
+        """The policy step on the device, from the raw observations to the action, so that compile
+        'update' captures all of it, preprocessing and encoder included: obs (dict of (N, ...) tensors
+        on the device, as the environments give them), the last latent and action (N, A) -> the new
+        latent and the action to take."""
+        data = self.wm.preprocess(obs)
+        embed = self.wm.encoder(data)
         sample = not (mode == "eval" and self.config.eval_state_mean)
-        latent, _ = self.wm.rssm.obs_step(latent, action, embed, is_first, sample)
+        latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
             policy = self.task_behavior.actor(feat)
