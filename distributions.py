@@ -16,6 +16,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
+# torch.distributions' argument validation, off in every run: it checks each parameter tensor with a
+# value read back to the host (a device synchronisation per distribution made: dozens per update on
+# CUDA), and any torch.compile switches it off for the whole process, so eager and compiled runs would
+# catch a NaN differently. Non-finite values are caught where they matter, alike in both: a loss by
+# the update's own check (logs.RunLog.check_losses), an action by the collector (parallel.NonFiniteStep).
+VALIDATE = False
+
 # ==================================================================================================
 # Noise: where every sample's random numbers come from
 # ==================================================================================================
@@ -239,7 +246,7 @@ class Normal:
 
     def __init__(self, mean, std, absmax=None):
         mean, std = mean.float(), std.float()
-        self.dist = torch.distributions.Normal(mean, std)
+        self.dist = torch.distributions.Normal(mean, std, validate_args=VALIDATE)  # see VALIDATE
         self.mean_ = mean
         self.absmax = absmax
 
@@ -265,7 +272,8 @@ class Uniform:
 
     def __init__(self, low, high):
         self.low, self.high = low, high
-        self.dist = torch.distributions.Independent(torch.distributions.Uniform(low, high), 1)
+        self.dist = torch.distributions.Independent(torch.distributions.Uniform(low, high, validate_args=VALIDATE), 1,
+                                                    validate_args=VALIDATE)  # see VALIDATE
 
     def sample(self):  # torch.distributions.Uniform.rsample, with this thread's noise
         return self.low + uniform(self.low.shape, self.low.device) * (self.high - self.low)

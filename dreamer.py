@@ -349,26 +349,36 @@ class Dreamer(nn.Module):
 
     @torch.no_grad()
     def policy(self, obs, state, mode="train"):
-        """obs: dict of (N, ...) arrays; state: (latent, action) or None; mode: train, explore or eval.
+        """obs: dict of (N, ...) arrays; state: (latent, action, stored) or None; mode: train, explore
+        or eval.
 
-        Returns actions (N, A) as numpy and the new state.
+        Returns actions (N, A) as numpy and the new state, whose `stored` holds the latents to store
+        with the steps acted on (models.ReplayContext.entries) as numpy arrays. The observations go to
+        the device in one copy that does not wait (storage.to_device) and the action and latents come
+        back in one (storage.to_host): one wait for the device per step, not one per key.
         """
+        obs = storage.to_device({k: v for k, v in obs.items() if not k.startswith("log_")},
+                                 self.wm.rssm.img_stats.weight.device)
+        if state is None:
+            n = len(obs["is_first"])
+            latent = self.wm.rssm.initial(n)
+            action = torch.zeros(n, self.act_size, device=obs["is_first"].device)
+        else:
+            latent, action, _ = state
+        latent, action = self.act(obs, latent, action, mode)
+        prefix = models.ReplayContext.PREFIX
+        host = storage.to_host({"action": action, **{k: latent[k[len(prefix):]] for k in self.context.spec}})
+        return host.pop("action"), (latent, action, host)
+
+    def act(self, obs, latent, action, mode):
+        """The policy step on the device, from the raw observations to the action, so that compile
+        'update' captures all of it, preprocessing and encoder included: obs (dict of (N, ...) tensors
+        on the device, as the environments give them), the last latent and action (N, A) -> the new
+        latent and the action to take."""
         data = self.wm.preprocess(obs)
         embed = self.wm.encoder(data)
-        if state is None:
-            n = len(embed)
-            latent = self.wm.rssm.initial(n)
-            action = torch.zeros(n, self.act_size, device=embed.device)
-        else:
-            latent, action = state
-        latent, action = self.act(embed, data["is_first"], latent, action, mode)
-        return action.cpu().numpy(), (latent, action)
-
-    def act(self, embed, is_first, latent, action, mode):
-        """The policy step on the device: embed (N, E), is_first (N,), the last latent and action
-        (N, A) -> the new latent and the action to take."""
         sample = not (mode == "eval" and self.config.eval_state_mean)
-        latent, _ = self.wm.rssm.obs_step(latent, action, embed, is_first, sample)
+        latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
             policy = self.task_behavior.actor(feat)
@@ -587,6 +597,7 @@ class Trainer:
         (README, Going faster)."""
         config, limiter, env = self.config, self.schedules["train"], self.train_envs[0]
         limiter.load_state_dict({"updates": limiter.updates, "inserts": self.counters.policy_steps})
+        self.actor_stream = launch.SideStream(config.device)  # on CUDA the actor's work has a stream of its own
         self.actor_agent = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
         self.actor_agent.to(config.device).requires_grad_(False)
         self.actor = parallel.CollectorThread(self.collector, self.actor_policy, limiter, self.counters.policy_steps,
@@ -664,10 +675,11 @@ class Trainer:
 
     def actor_policy(self, obs, state):
         """The collector thread's: the agent's copy, at the frames that thread counted."""
-        return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
+        with self.actor_stream():
+            return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
 
     def sync_actor(self):
-        with self.actor.policy_lock:
+        with self.actor.policy_lock, self.actor_stream.handover():
             self.actor_agent.load_state_dict(self.agent.state_dict())
         self.synced = self.counters.updates
 
@@ -752,6 +764,8 @@ class Trainer:
         # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
         with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
             self.count()
+            if self.agent is not None:
+                self.agent.context.flush()  # the last update's write-back, which a resumed run would not find
             if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
                 self.counters.stored_steps = storage.stored_steps(self.traindir)
             state = self.checkpoints.state()

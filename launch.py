@@ -312,6 +312,32 @@ def keep_freed_memory():
 # ==================================================================================================
 
 
+class SideStream:
+    """A CUDA stream of its own for the device work of another thread (the asynchronous actor,
+    dreamer.Trainer.train_asynchronously), so that each of its waits for the device (the action it
+    needs back) waits for its own kernels, not behind the learner's queued update on the default
+    stream. On a CPU it does nothing. `with side():` runs work on it; `with side.handover():` wraps a
+    change of what its work reads (the learner's weights copied in, on the caller's stream): the copy
+    waits for the work queued on the side stream, and the side stream's later work for the copy."""
+
+    def __init__(self, device):
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __call__(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def handover(self):
+        if self.stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        yield
+        self.stream.wait_stream(current)
+
+
 def seed_everything(seed, deterministic):
     random.seed(seed)
     np.random.seed(seed)
@@ -328,7 +354,10 @@ def rng_state(replay_rng):
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     own = distributions.current_generator()
-    return {"torch": torch.get_rng_state() if own is None else own.get_state(),
+    # On CUDA the samples draw from each device's own generator: saved too, so that a resumed CUDA run
+    # repeats the straight one ([] where CUDA was never used: nothing drew from it).
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return {"torch": torch.get_rng_state() if own is None else own.get_state(), "cuda": cuda,
             "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
             "python": [version, list(internal), gauss_next], "replay": replay_rng.bit_generator.state}
 
@@ -339,6 +368,8 @@ def set_rng_state(state, replay_rng):
         torch.set_rng_state(state["torch"])
     else:
         own.set_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():  # older checkpoints and CPU runs hold none
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]

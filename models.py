@@ -264,11 +264,13 @@ class ReturnNorm(nn.Module):
         self.decay, self.quantiles, self.floor = decay, (low, high), floor
         self.register_buffer("low", torch.zeros(()))
         self.register_buffer("high", torch.zeros(()))
+        # On the device with the module: made per call, it would be a host-to-device copy per update.
+        self.register_buffer("points", torch.tensor(self.quantiles), persistent=False)
 
     def forward(self, returns):
         """Update the EMAs with a batch of returns; return (offset, scale)."""
         flat = self.ranks.all_gather(returns.detach().float().flatten())  # (world_size * H * N,)
-        q = torch.quantile(flat, torch.tensor(self.quantiles, device=flat.device))
+        q = torch.quantile(flat, self.points)
         self.low.mul_(self.decay).add_((1 - self.decay) * q[0])
         self.high.mul_(self.decay).add_((1 - self.decay) * q[1])
         return self.low.clone(), torch.clamp(self.high - self.low, min=self.floor)
@@ -727,6 +729,7 @@ class ReplayContext:
 
     def __init__(self, config):
         self.steps = config.replay_context
+        self.pending = None  # (replay, ids, storage.Fetch) of the last update's write-back (write_back)
         stoch = (config.dyn_stoch, config.dyn_discrete) if config.dyn_discrete else (config.dyn_stoch,)
         self.spec = ({self.PREFIX + "deter": ((config.dyn_deter,), np.dtype(np.float32)),
                       self.PREFIX + "stoch": (stoch, np.dtype(np.float32))} if self.steps else {})
@@ -737,6 +740,8 @@ class ReplayContext:
         policy without a latent (the random prefill, state None)."""
         if state is None:
             return {k: np.zeros((count, *shape), dtype) for k, (shape, dtype) in self.spec.items()}
+        if len(state) == 3:  # Dreamer.policy's: brought to the host with its action, in one copy
+            return {k: state[2][k] for k in self.spec}
         latent = state[0]
         return {self.PREFIX + k: latent[k].detach().float().cpu().numpy() for k in ("deter", "stoch")
                 if self.PREFIX + k in self.spec}
@@ -758,11 +763,31 @@ class ReplayContext:
         return {self.PREFIX + key: post[key].detach().float() for key in ("deter", "stoch")}
 
     def write_back(self, replay, ids, latents):
-        """Write the trained steps' `latents` (from `latents`; None: nothing) to the replay, to the
-        steps they were computed for; ids (B, 2) are the sampled sequences' first steps
-        (Replay.sample)."""
-        if latents is None:
-            return
-        ids = np.array(ids)
-        ids[:, 1] += self.steps
-        replay.update(ids, latents)
+        """Write the trained steps' `latents` (from `latents`; None: nothing) to the replay (a
+        storage.Replay or Prefetcher), to the steps they were computed for; ids (B, 2) are the sampled
+        sequences' first steps (Replay.sample).
+
+        One update late, as the official code fetches an update's outputs (embodied/jax/agent.py:
+        `train` returns the `pending_outs` of the update before and starts fetching its own): this
+        update's latents are copied to the host in one copy that does not wait (storage.Fetch), and
+        the previous update's are written now, their copy long done. `flush` writes what is pending
+        (before a checkpoint is taken, so that a resumed run finds in the replay what the straight
+        run wrote)."""
+        previous = self.pending
+        self.pending = None
+        if latents is not None:
+            ids = np.array(ids)
+            ids[:, 1] += self.steps
+            self.pending = (replay, ids, storage.Fetch(latents, getattr(replay, "on_host", True)))
+        if previous is not None:
+            self._write(*previous)
+
+    def flush(self):
+        """Write the pending write-back now (write_back)."""
+        if self.pending is not None:
+            previous, self.pending = self.pending, None
+            self._write(*previous)
+
+    @staticmethod
+    def _write(replay, ids, fetched):
+        replay.update(ids, fetched.result())

@@ -526,12 +526,16 @@ def _alignment(stream, saved, least=16):
 class Stream:
     """Ring buffer of consecutive steps from one environment, as growable arrays: numpy arrays in
     host memory, or with `device` torch tensors there (replay_device), which a batch is gathered
-    from without a copy from the host."""
+    from without a copy from the host. On the device, steps added and host values written are staged
+    on the host (`staged`, `writes`) until the replay next reads its arrays, which moves them all in
+    one copy that does not wait (Replay._move)."""
 
     def __init__(self, capacity, device=None):
         self.capacity, self.device = capacity, device
         self.data = {}
         self.count = 0  # steps ever written
+        self.staged = {}  # on the device: slot -> step (host values) added since the last move
+        self.writes = []  # on the device: (first id, {key: host (L, ...) array}) written since the last move
 
     def __len__(self):
         return min(self.count, self.capacity)
@@ -557,8 +561,11 @@ class Stream:
                 grown[:size] = array
                 self.data[key] = grown
         index = self.count % self.capacity
-        for key, value in step.items():
-            self.data[key][index] = value if self.device is None else torch.as_tensor(np.ascontiguousarray(value))
+        if self.device is None:
+            for key, value in step.items():
+                self.data[key][index] = value
+        else:
+            self.staged[index] = step  # a newer step in the same slot replaces it
         self.count += 1
         return self.count - 1
 
@@ -577,17 +584,60 @@ class Stream:
 
     def write(self, first, values):
         """Overwrite the steps with ids first, first + 1, ... by values (dict of (L, ...) arrays or
-        tensors); steps no longer held (dropped for newer ones) are left out."""
+        tensors); steps no longer held (dropped for newer ones) are left out. On the device, tensors
+        there are written at once (the replay moved what was staged first: Replay.update) and host
+        values staged."""
+        if self.device is not None:
+            if not all(isinstance(v, torch.Tensor) for v in values.values()):
+                self.writes.append((first, {k: host_array(v) for k, v in values.items()}))
+                return
+            for at, slot, n in self.runs(first, len(next(iter(values.values())))):
+                for key, value in values.items():
+                    self.data[key][slot:slot + n] = value[at:at + n].to(self.data[key].dtype)
+            return
         ids = first + np.arange(len(next(iter(values.values()))))
         held = (ids >= self.first()) & (ids < self.count)
         phys = ids[held] % self.capacity  # a step's slot: its id modulo the capacity (see add)
         for key, value in values.items():
-            if self.device is None:
-                self.data[key][phys] = host_array(value)[held]
-            else:
-                value = torch.as_tensor(value, device=self.device)
-                self.data[key][torch.as_tensor(phys, device=self.device)] = value[torch.as_tensor(held,
-                                                                                                  device=self.device)]
+            self.data[key][phys] = host_array(value)[held]
+
+    def runs(self, first, length):
+        """The held steps among ids first .. first + length - 1 as runs of consecutive slots:
+        (offset from first, first slot, count) each (at most two: the ring wraps once)."""
+        low, high, out = max(first, self.first()), min(first + length, self.count), []
+        while low < high:
+            slot = low % self.capacity
+            n = min(high - low, self.capacity - slot)
+            out.append((low - first, slot, n))
+            low += n
+        return out
+
+    def staged_blocks(self):
+        """What is staged, as host arrays to move: ({name: array}, apply) where apply(moved) writes the
+        moved tensors into the arrays (the steps first, then the writes, in the order they came)."""
+        blocks, steps = {}, []
+        if self.staged:
+            slots = np.array(sorted(self.staged))
+            breaks = np.flatnonzero(np.diff(slots) != 1) + 1  # runs of consecutive slots
+            steps = [(int(run[0]), len(run), at) for run, at in zip(np.split(slots, breaks),
+                                                                     np.concatenate([[0], breaks]))]
+            for key in self.data:
+                blocks[f"add/{key}"] = np.stack([np.asarray(self.staged[slot][key]) for slot in slots])
+        writes = list(self.writes)
+        for w, (_, values) in enumerate(writes):
+            blocks.update({f"write{w}/{key}": value for key, value in values.items()})
+        self.staged, self.writes = {}, []
+
+        def apply(moved):
+            for slot, n, at in steps:
+                for key, array in self.data.items():
+                    array[slot:slot + n] = moved[f"add/{key}"][at:at + n].to(array.dtype)
+            for w, (first, values) in enumerate(writes):
+                for at, slot, n in self.runs(first, len(next(iter(values.values())))):
+                    for key in values:
+                        self.data[key][slot:slot + n] = moved[f"write{w}/{key}"][at:at + n].to(self.data[key].dtype)
+
+        return blocks, apply
 
 
 class Replay:
@@ -629,6 +679,11 @@ class Replay:
         with self.lock:
             return sum(len(s) for s in self.streams)
 
+    @property
+    def on_host(self):
+        """Whether the steps are numpy arrays in host memory (not replay_device)."""
+        return self.device is None
+
     def add(self, step, stream=0):
         """Append one step to a stream; returns its id (stream, index among the stream's steps)."""
         with self.lock:
@@ -645,6 +700,24 @@ class Replay:
             for t in range(length):
                 self.streams[stream].add({k: v[t] for k, v in episode.items()})
 
+    def _move(self, extra=None):
+        """On the device: move every stream's staged steps and writes (Stream.staged_blocks) and the
+        host arrays `extra` ({name: array}) there in one copy (to_device); returns the moved `extra`."""
+        extra = extra or {}
+        if self.device is None:
+            return extra
+        blocks, appliers = dict(extra), []
+        for index, stream in enumerate(self.streams):
+            staged, apply = stream.staged_blocks()
+            blocks.update({f"{index}/{name}": array for name, array in staged.items()})
+            appliers.append((index, apply))
+        if not blocks:
+            return {}
+        moved = to_device(blocks, self.device)
+        for index, apply in appliers:
+            apply({name[len(f"{index}/"):]: value for name, value in moved.items() if name.startswith(f"{index}/")})
+        return {name: moved[name] for name in extra}
+
     def context_state(self, keys):
         """What a checkpoint keeps of the replay beyond its episode files, so that a resumed run samples
         what the straight one would: per stream the held steps' `keys` (the replay context's latents,
@@ -652,6 +725,7 @@ class Replay:
         which place them again after a reload (`load_context_state`), and the online queue. Tensors
         and plain data, for a checkpoint that loads with weights_only."""
         with self.lock:
+            self._move()
             streams = []
             for stream in self.streams:
                 held = len(stream)
@@ -672,6 +746,7 @@ class Replay:
         (their latents stay the files' and their queued sequences are dropped)."""
         missed = 0
         with self.lock:
+            self._move()
             self.queue.clear()
             for index, (stream, saved) in enumerate(zip(self.streams, state["streams"])):
                 shift = _alignment(stream, saved) if saved else 0  # saved position = reloaded position + shift
@@ -706,6 +781,8 @@ class Replay:
         """Overwrite stored steps: row b of values (dict of (batch, L, ...) arrays) goes to the L
         steps from id ids[b] (as `sample` gives them) on; steps dropped meanwhile are left out."""
         with self.lock:
+            if any(isinstance(v, torch.Tensor) for v in values.values()):
+                self._move()  # tensors are written at once: over the staged steps, not under them
             for row, (stream, first) in enumerate(np.asarray(ids)):
                 self.streams[stream].write(int(first), {k: v[row] for k, v in values.items()})
 
@@ -727,7 +804,7 @@ class Replay:
         uniform = self.rng.choice(len(self.streams), size=batch - len(which), p=counts / counts.sum())
         which = np.concatenate([which, uniform])
         start = np.concatenate([start, np.zeros(len(uniform), np.int64)])
-        out = {}
+        out, gathers = {}, []
         first = np.stack([which, np.zeros(batch, np.int64)], 1).astype(np.int64)
         for index in np.unique(which):
             stream = self.streams[index]
@@ -736,13 +813,24 @@ class Replay:
             start[drawn] = self.rng.integers(0, counts[index], size=len(drawn))
             phys = stream.indices(start[rows], length)
             first[rows, 1] = stream.first() + start[rows]
+            if self.device is not None:  # gathered below, once the indices are on the device
+                gathers.append((stream, f"{index}/rows", rows, f"{index}/phys", phys))
+                continue
             for key, array in stream.data.items():
                 if key not in out:
-                    out[key] = (alloc((batch, length, *array.shape[1:]), array.dtype) if self.device is None
-                                else torch.empty((batch, length, *array.shape[1:]), dtype=array.dtype,
-                                                 device=self.device))
-                out[key][rows if self.device is None else torch.as_tensor(rows, device=self.device)] = \
-                    stream.gather(array, phys)
+                    out[key] = alloc((batch, length, *array.shape[1:]), array.dtype)
+                out[key][rows] = array[phys]
+        if self.device is not None:
+            # The steps staged since the last batch and this batch's indices: one copy that does not wait.
+            moved = self._move({name: value for _, rows_name, rows, phys_name, phys in gathers
+                                for name, value in ((rows_name, rows), (phys_name, phys))})
+            for stream, rows_name, _, phys_name, _ in gathers:
+                rows, phys = moved[rows_name], moved[phys_name]
+                for key, array in stream.data.items():
+                    if key not in out:
+                        out[key] = torch.empty((batch, length, *array.shape[1:]), dtype=array.dtype,
+                                               device=self.device)
+                    out[key][rows] = array[phys]
         return out, first
 
 
@@ -809,6 +897,8 @@ class Prefetcher:
         # A replay on the device gathers its batch there, in no time worth a thread.
         self.ahead = (self.cuda and replay.device is None) if ahead is None else ahead
         self.pending = None  # (thread, result dict) of the batch being sampled ahead
+
+    on_host = property(lambda self: self.replay.on_host)
 
     def host_array(self, shape, dtype):
         """Where a batch is sampled into: pinned memory on CUDA (an asynchronous copy needs it),
@@ -881,6 +971,78 @@ def host_tensor(array):
     if isinstance(base, torch.Tensor) and base.data_ptr() == array.ctypes.data and base.shape == array.shape:
         return base
     return torch.from_numpy(array)
+
+
+class Fetch:
+    """Tensors (dict of float (B, ...) tensors) brought to the host with one copy that does not wait:
+    on CUDA copied together into pinned memory with non_blocking=True, an event recorded after the
+    copy; `result()` waits on that event (by then long done: models.ReplayContext.write_back reads it
+    one update later) and gives numpy views of the copy. On a CPU the values are in host memory
+    already. With `on_host` False (a replay on the device) the tensors stay where they are."""
+
+    def __init__(self, tensors, on_host=True):
+        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        self.tensors, self.host, self.event = None, None, None
+        if not on_host:
+            self.tensors = {k: v.detach() for k, v in tensors.items()}
+            return
+        flat = torch.cat([v.detach().float().reshape(len(v), -1) for v in tensors.values()], 1)
+        if flat.device.type == "cuda":
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat
+
+    def result(self):
+        if self.tensors is not None:
+            return self.tensors
+        if self.event is not None:
+            self.event.synchronize()
+        array, out, at = self.host.numpy(), {}, 0
+        for key, shape in self.shapes.items():
+            size = int(np.prod(shape[1:], dtype=np.int64))
+            out[key] = array[:, at:at + size].reshape(shape)
+            at += size
+        return out
+
+
+def to_device(arrays, device):
+    """dict of numpy arrays -> dict of tensors on `device`, moved with one host-to-device copy: the
+    arrays' bytes packed into one buffer (each at an offset aligned to 8 bytes; on CUDA pinned, so that
+    the copy does not make the host wait), viewed back as their dtypes and shapes on the device (the
+    policy's observations: one copy per environment step, not one per key; a replay on the device:
+    its staged steps and a batch's indices, one copy per batch)."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    offsets, total = {}, 0
+    for key, array in arrays.items():
+        offsets[key] = total
+        total += -(-array.nbytes // 8) * 8
+    cuda = torch.device(device).type == "cuda"
+    flat = torch.zeros(total, dtype=torch.uint8, pin_memory=cuda)  # pinned: a copy that does not wait
+    buffer = flat.numpy()
+    for key, array in arrays.items():
+        buffer[offsets[key]:offsets[key] + array.nbytes] = array.reshape(-1).view(np.uint8)
+    flat = flat.to(device, non_blocking=True)  # on a CPU: the buffer itself
+    out = {}
+    for key, array in arrays.items():
+        dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
+        out[key] = flat[offsets[key]:offsets[key] + array.nbytes].view(dtype).view(array.shape)
+    return out
+
+
+def to_host(tensors):
+    """dict of (N, ...) tensors -> dict of float32 numpy arrays, moved with one device-to-host copy
+    (the policy's action and latents: one copy per environment step, not one per tensor)."""
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    flat = torch.cat([v.detach().float().reshape(len(v), -1) for v in tensors.values()], 1).cpu().numpy()
+    out, at = {}, 0
+    for key, shape in shapes.items():
+        size = int(np.prod(shape[1:], dtype=np.int64))
+        out[key] = flat[:, at:at + size].reshape(shape)
+        at += size
+    return out
 
 
 def overlay(batch, ids, length, written_ids, values):

@@ -109,7 +109,9 @@ def test_write_back_reaches_the_ids_of_its_own_batch():
     ctx = context()
     first, first_ids, _ = feed.next(more=True)  # the second batch is sampled meanwhile
     latents = fake_update(first, 0)
-    ctx.write_back(feed, first_ids, latents)
+    ctx.write_back(feed, first_ids, latents)  # one update late, as the official code: pending until the next
+    assert not any(stream.data["latent_deter"][:len(stream)].any() for stream in replay.streams)
+    ctx.flush()
     second, second_ids, _ = feed.next()
     for row, (stream, start) in enumerate(first_ids):
         got = replay.streams[stream].data["latent_deter"][start + K:start + K + T]  # no step dropped yet

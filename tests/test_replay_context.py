@@ -197,12 +197,39 @@ def test_write_back_puts_the_trained_steps_latents_at_their_steps():
     posterior = {"deter": torch.as_tensor(1000.0 + batch["n"][:, 1:, None].repeat(3, -1)),  # (B, T, 3)
                  "stoch": torch.zeros(5, 3, 2, 2)}
     context.write_back(replay, ids, context.latents(posterior))
+    context.flush()  # written one update late (the test below); here at once
     # Written out: step 100 s + n got 1000 + 100 s + n iff it was a trained (not context) step of a row.
     trained = {100 * s + first + t for s, first in ids for t in (1, 2, 3)}
     for s in range(2):
         for n, latent in zip(*held(replay, s)):
             want = 1000.0 + n if n in trained else -1.0
             np.testing.assert_array_equal(latent, np.full(3, want, np.float32), err_msg=str(n))
+
+
+def test_the_write_back_lands_one_update_late_as_the_official_codes_pending_outputs():
+    """embodied/jax/agent.py: `train` returns the outputs of the update before (pending_outs) and the
+    run writes those to the replay; so update n's latents are in the replay only after update n + 1,
+    and a checkpoint's flush writes the last pending ones."""
+    context = context_of(1)
+    replay = storage.Replay(capacity=40, streams=1, seed=2)
+    fill(replay, 12, 1)
+    ids = np.array([[0, 2]])
+
+    def latents(value):
+        return context.latents({"deter": torch.full((1, 3, 3), value), "stoch": torch.zeros(1, 3, 2, 2)})
+
+    def written():
+        return held(replay, 0)[1][3:6, 0].tolist()  # the trained steps of the row: ids 3, 4, 5
+
+    context.write_back(replay, ids, latents(7.0))
+    assert written() == [-1.0] * 3  # update 1's latents: pending
+    context.write_back(replay, ids, latents(8.0))
+    assert written() == [7.0] * 3  # update 2 writes update 1's
+    context.write_back(replay, ids, None)  # an update without latents still writes the pending ones
+    assert written() == [8.0] * 3
+    context.write_back(replay, ids, latents(9.0))
+    context.flush()
+    assert written() == [9.0] * 3 and context.pending is None
 
 
 def test_replay_context_zero_changes_nothing():

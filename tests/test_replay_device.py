@@ -86,6 +86,7 @@ def test_the_replay_context_writes_back_tensors_on_the_device():
     latents = context.latents(post)  # they stay on the device, as the replay's steps do
     assert latents["latent_deter"].device.type == torch.device(DEVICE).type
     context.write_back(feed, ids, latents)
+    context.flush()  # written one update late (tests/test_replay_context.py); here at once
     stored = replay.streams[0].data
     for row, (_, first) in enumerate(ids):  # the trained steps (after the one context step) hold the posterior
         steps = torch.arange(first + 1, first + 6)

@@ -1,0 +1,67 @@
+"""The asynchronous actor on a CUDA stream of its own (launch.SideStream, used by
+dreamer.Trainer.actor_policy and sync_actor), checked on the CPU with torch.cuda's streams stood in
+for: its policy runs on its stream, a weight copy waits for the stream's queued work and the stream's
+later work for the copy; on a CPU nothing changes."""
+
+import threading
+import types
+
+import torch
+
+import dreamer
+import launch
+
+
+class FakeStream:
+    def __init__(self, log, name):
+        self.log, self.name, self.device = log, name, torch.device("cuda", 0)
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def stand_in(monkeypatch):
+    log, current = [], []
+    default = FakeStream(log, "default")
+
+    class Context:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+            log.append(f"enter {self.stream.name}")
+
+        def __exit__(self, *exc):
+            current.pop()
+            log.append(f"exit {self.stream.name}")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream(log, "side"))
+    monkeypatch.setattr(torch.cuda, "stream", Context)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1] if current else default)
+    return log, current
+
+
+def test_the_actors_policy_runs_on_its_own_stream_and_weight_copies_are_ordered_with_it(monkeypatch):
+    log, current = stand_in(monkeypatch)
+    seen = []
+    trainer = types.SimpleNamespace(
+        actor_stream=launch.SideStream("cuda"), actor=types.SimpleNamespace(frames=0, policy_lock=threading.Lock()),
+        mode=lambda frames: "train", counters=types.SimpleNamespace(updates=3),
+        actor_agent=types.SimpleNamespace(
+            policy=lambda obs, state, mode: seen.append(torch.cuda.current_stream().name) or ("action", state),
+            load_state_dict=lambda state: log.append("copy weights")),
+        agent=types.SimpleNamespace(state_dict=lambda: {}))
+    assert dreamer.Trainer.actor_policy(trainer, {}, None) == ("action", None)
+    assert seen == ["side"] and log == ["enter side", "exit side"]
+    log.clear()
+    dreamer.Trainer.sync_actor(trainer)
+    assert log == ["default waits for side", "copy weights", "side waits for default"]
+    assert trainer.synced == 3
+
+
+def test_on_a_cpu_the_side_stream_does_nothing():
+    side = launch.SideStream("cpu")
+    assert side.stream is None
+    with side(), side.handover():
+        pass
