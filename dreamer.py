@@ -498,8 +498,9 @@ class Trainer:
                                              config.action_repeat, agent.context, config.chunk_size)
                           if train_envs else None)
         self.actor = self.actor_agent = self.synced = None  # asynchronous: the collector thread, from the loop on
-        # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
-        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
+        # Checkpoints on the save_every clock, and stops at the next safe point (under torchrun agreed at
+        # the update boundary).
+        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt})
         self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         waits = ("learner_wait", "env_wait") if config.asynchronous else ()
         self.stopwatch = tools.Stopwatch(("learner", "env", *waits))
@@ -544,7 +545,7 @@ class Trainer:
         (`train_asynchronously`)."""
         self.run_log.open()
         try:
-            with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
+            with self.agreement.stops:  # a signal becomes a request, acted on at the next safe point
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
                     prefill_and_pretrain(self)
                 if self.config.asynchronous:
@@ -771,8 +772,9 @@ class Trainer:
             print(f"error: {e}", file=sys.stderr, flush=True)
 
     def stop_if_asked(self):
-        """Under torchrun: once the ranks agreed on a stop (Agreement), save together and end as the
-        signal would (Interrupted: exit 143, KeyboardInterrupt: 130)."""
+        """A safe point: once a stop was asked for (under torchrun, once the ranks agreed on it:
+        Agreement), save (together) and end as the signal would (Interrupted: exit 143,
+        KeyboardInterrupt: 130)."""
         if self.agreement.stop_code:
             self.save()
             raise self.agreement.stops.exception(self.agreement.stop_code)
