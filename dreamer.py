@@ -24,6 +24,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -127,29 +128,100 @@ def setup(argv):
 
 
 def run_processes(config, logdir, device_note, changed, ranks):
-    """Build the run on this process (one of `ranks`) and train; the config is settled here, once:
-    the device of this rank, --envs/--parallel auto (Resources), the actor and compile auto from the
-    action space and device (models.resolve_auto). It is printed and saved, and read-only after."""
+    """Build the run on this process (one of `ranks`) and train: one seed, or --seeds N (the seeds
+    seed .. seed + N - 1, each a run of its own in <logdir>/seed<k>, trained together by one
+    batched update: seeds.py). The config is settled here, once: the device of this rank,
+    --envs/--parallel auto (Resources, measured once for every seed), the actor and compile auto
+    from the action space and device (models.resolve_auto). It is printed and saved, and read-only
+    after. A rerun resumes every seed; one that finished its --steps waits for the others."""
     config = config.replace(device=ranks.device(config.device))
-    if config.seeds > 1:
-        return run_seeds(config, logdir, device_note, changed, ranks)
+    if config.seeds > 1 and config.compile == "auto":  # the batched update runs eager (seeds.check)
+        config = config.replace(compile=False)
     if not ranks.is_main:  # the main process alone prints progress; errors still reach stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    # One run per logdir, held until this process ends. A logdir that exists may be in use: check
-    # before building anything; a new one is locked once created. --eval_only only reads, so it
-    # may run beside training. Under torchrun the main process holds it for all.
-    try:
-        lock = storage.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
-    except storage.LogdirBusy as e:
-        cfg.fail(str(e))
-    ranks.barrier()  # the others start only once the main process has the logdir
-    launch.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
     launch.keep_freed_memory()
-    train_envs, eval_envs = [], []
-    sizing = resources.Resources(config, logdir, Dreamer)
+    dirs = [logdir] if config.seeds == 1 else [logdir / f"seed{k}" for k in range(config.seeds)]
+    # One run per logdir, held until this process ends, taken before anything in it is read or
+    # cleaned (a second run must not recover the first one's checkpoint in flight). Under torchrun
+    # the main process holds it for all; --eval_only only reads, so it may run beside training.
+    locks = [storage.LogdirLock(own) for own in dirs] if ranks.is_main and not config.eval_only else []
+    ranks.barrier()  # the others start only once the main process has the logdir
+    finished = [] if config.eval_only else [storage.finished_frames(own / "latest.pt", config.steps,
+                                                                    config.action_repeat) for own in dirs]
+    if finished and all(finished):  # before any environment worker starts
+        for own, frames in zip(dirs, finished):
+            print(f"Run finished: {own} completed {frames} frames of --steps {config.steps}; nothing to do (a "
+                  "larger --steps continues it)", flush=True)
+        return None
+    runs, sizing = [], None
     try:
-        config = sizing.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
+        try:
+            for k, own_dir in enumerate(dirs):
+                own = config if config.seeds == 1 else config.replace(seed=config.seed + k, logdir=str(own_dir))
+                if k == 0 and config.seeds > 1 and (own_dir / "config.yaml").exists():
+                    changed = cfg.compare_saved_config(own, own_dir / "config.yaml")
+                launch.seed_everything(own.seed + 1000 * ranks.rank, own.deterministic_run)
+                if sizing is None:  # --envs and --parallel auto: measured once, for every seed
+                    sizing = resources.Resources(own, own_dir, Dreamer)
+                    settled = sizing.settle()
+                own = own.replace(envs=settled.envs, parallel=settled.parallel)
+                runs.append(build_seed(own, own_dir, sizing, ranks))
+        except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError, storage.CheckpointError,
+                storage.LogdirBusy) as e:
+            # A user mistake, or a suite whose package is missing: its last line says what to do.
+            for run in runs:
+                run.close()
+            for lock in locks:
+                lock.abandon()  # a logdir this start created is removed again: nothing half-written
+            cfg.fail(str(e).strip().splitlines()[-1])
+        first = runs[0]
+        if config.eval_only:
+            return evaluate_checkpoint(first.config, first.agent, logdir, first.eval_envs)
+        if all(run.trainer.done for run in runs):  # a finish the check above could not read (a kill mid-save)
+            for run in runs:
+                print(f"Run finished: {run.trainer.logdir} completed {run.trainer.frames} frames of --steps "
+                      f"{config.steps}; nothing to do (a larger --steps continues it)", flush=True)
+            return None
+        report_start(runs, sizing, device_note, changed, ranks)
+        started = time.time()
+        if len(runs) == 1:
+            runs[0].trainer.train()
+        else:
+            generators = [run.generator for run in runs]
+            batched = seeds.BatchedUpdate([run.agent for run in runs], generators)
+            for k, run in enumerate(runs):
+                run.trainer.learner = seeds.SeedLearner(batched, k)
+            seeds.train_together([run.trainer for run in runs], generators, batched, [run.envs for run in runs])
+        if ranks.is_main:
+            ends = [(run.trainer.frames, run.trainer.final_return, run.trainer.logdir) for run in runs]
+            print(logs.closing_line(ends, logdir, time.time() - started), flush=True)
+    finally:
+        for run in runs:  # those no seed's thread closed
+            run.close()
+
+
+class SeedRun:
+    """One seed's run as `build_seed` made it: its settled config, environments (`envs`, closed by
+    close(), or by its thread under --seeds: a rendering context is bound to it), agent, random
+    stream under --seeds (`generator`) and Trainer."""
+
+    def __init__(self, config, train_envs, eval_envs, agent, generator, trainer, resolved, spec):
+        self.config, self.train_envs, self.eval_envs, self.agent = config, train_envs, eval_envs, agent
+        self.envs = train_envs + eval_envs
+        self.generator, self.trainer, self.resolved, self.spec = generator, trainer, resolved, spec
+
+    def close(self):
+        while self.envs:
+            self.envs.pop().close()
+
+
+def build_seed(config, logdir, sizing, ranks):
+    """A seed's environments (as many and where `sizing`, resources.Resources, settled), agent and
+    Trainer in `logdir`: the last `auto` keys settled from the action space,
+    the memory checked before the agent is allocated; resuming, its checkpoint loaded."""
+    train_envs, eval_envs = [], []
+    try:
         if not config.offline_traindir and not config.eval_only:
             train_envs = parallel.make_envs(config, "train", config.envs, ranks.rank * config.envs,
                                             sizing.weights(), sizing.processes())
@@ -165,118 +237,41 @@ def run_processes(config, logdir, device_note, changed, ranks):
         check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
-    except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
-        # A user mistake, or a suite whose package is missing: its last line says what to do.
-        for env in train_envs + eval_envs:
-            env.close()
-        cfg.fail(str(e).strip().splitlines()[-1])
-    try:
-        try:
-            if config.eval_only:
-                return evaluate_checkpoint(config, agent, logdir, eval_envs)
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a new logdir: nothing written yet
-            logdir.mkdir(parents=True, exist_ok=True)
-            if ranks.is_main:
-                lock = lock or storage.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-        except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
-            cfg.fail(str(e))
-        if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
-            for line in trainer.notes:
-                print(line, flush=True)
-            print(f"Run finished: {config.logdir} completed {trainer.frames} frames of --steps {config.steps}; "
-                  "nothing to do (a larger --steps continues it)", flush=True)
-            return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
-        print(cfg.summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                          sizing.weights(), resolved, spec), flush=True)
-        for line in sizing.lines:
-            print(line, flush=True)
-        for line in trainer.notes:
-            print(line, flush=True)
-        for line in changed:
-            print(f"warning: differs from the saved config: {line}", flush=True)
-        for line in models.ignored_keys(config):  # keys the update mode reads nowhere
-            print(f"warning: {line}", flush=True)
-        if ranks.is_main:
-            cfg.save_config(config, logdir / "config.yaml")
-            sizing.save()
-        trainer.train()
-    finally:
+        if config.eval_only:
+            return SeedRun(config, train_envs, eval_envs, agent, None, None, resolved, spec)
+        generator = seeds.seed_generator(config.device) if config.seeds > 1 else None  # where this seed draws on from
+        with distributions.generator(generator) if generator is not None else contextlib.nullcontext():
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a resumed seed's random state
+    except BaseException:
         for env in train_envs + eval_envs:
             env.close()
+        raise
+    return SeedRun(config, train_envs, eval_envs, agent, generator, trainer, resolved, spec)
 
 
-def run_seeds(config, logdir, device_note, changed, ranks):
-    """--seeds N: the seeds seed .. seed + N - 1 in this process, each a run of its own in
-    <logdir>/seed<k> (its environments, replay, Trainer, checkpoint and random streams, built as
-    run_processes builds a run alone), trained together by one batched update (seeds.py). A
-    rerun resumes every seed; one that finished its --steps waits for the others."""
-    if config.compile == "auto":  # the batched update runs eager (seeds.check)
-        config = config.replace(compile=False)
-    torch.set_float32_matmul_precision("high")
-    launch.keep_freed_memory()
-    trainers, agents, generators, seed_envs, locks, settled = [], [], [], [], [], None
-    try:
-        for k in range(config.seeds):
-            own_dir = logdir / f"seed{k}"
-            own = config.replace(seed=config.seed + k, logdir=str(own_dir))
-            if k == 0 and (own_dir / "config.yaml").exists():
-                changed = cfg.compare_saved_config(own, own_dir / "config.yaml")
-            try:
-                locks.append(storage.lock_logdir(own_dir) if own_dir.is_dir() else None)
-            except storage.LogdirBusy as e:
-                cfg.fail(str(e))
-            launch.seed_everything(own.seed, own.deterministic_run)
-            try:
-                if settled is None:  # --envs and --parallel auto: measured once, for every seed
-                    sizing = resources.Resources(own, own_dir, Dreamer)
-                    settled = sizing.settle()
-                own = own.replace(envs=settled.envs, parallel=settled.parallel)
-                seed_envs.append([])  # each seed's thread closes its own: a rendering context is bound to it
-                train_envs = parallel.make_envs(own, "train", own.envs, 0, sizing.weights(), sizing.processes())
-                seed_envs[-1] += train_envs
-                eval_count = min(max(own.envs // len(envs.parse_tasks(own.task)), 1), own.eval_episode_num)
-                eval_envs = parallel.make_envs(own, "eval", eval_count) if eval_count else []
-                seed_envs[-1] += eval_envs
-                env = train_envs[0]
-                own, resolved = models.resolve_auto(own, env.act_space, env.obs_space)
-                check_memory(own, env.obs_space, env.act_space)
-                agent = Dreamer(env.obs_space, env.act_space, own).to(own.device)
-            except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
-                cfg.fail(str(e).strip().splitlines()[-1])
-            generators.append(seeds.seed_generator(own.device))  # where this seed alone would draw on from
-            try:
-                with distributions.generator(generators[-1]):  # a resumed seed's random state is its own
-                    trainer = Trainer(own, agent, own_dir, train_envs, eval_envs, ranks)
-            except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
-                cfg.fail(str(e))
-            own_dir.mkdir(parents=True, exist_ok=True)
-            locks[-1] = locks[-1] or storage.lock_logdir(own_dir)
-            trainers.append(trainer)
-            agents.append(agent)
-        batched = seeds.BatchedUpdate(agents, generators)
-        for k, trainer in enumerate(trainers):
-            trainer.learner = seeds.SeedLearner(batched, k)
-        first = trainers[0]
-        spec = {**storage.episode_spec(env.obs_space, env.act_space), **agents[0].context.spec}
-        print(cfg.summary(first.config, agents[0], device_note, first.frames if first.resumed else None, ranks,
-                          sizing.weights(), resolved, spec), flush=True)
-        for line in [*sizing.lines, seeds.cost_line(agents[0], first.config, spec)]:
-            print(line, flush=True)
-        for line in changed:
-            print(f"warning: differs from the saved config: {line}", flush=True)
-        for line in models.ignored_keys(first.config):
-            print(f"warning: {line}", flush=True)
-        for k, trainer in enumerate(trainers):
-            for line in trainer.notes:
-                print(f"seed{k}: {line}", flush=True)
-            if not trainer.done:
-                cfg.save_config(trainer.config, trainer.logdir / "config.yaml")
+def report_start(runs, sizing, device_note, changed, ranks):
+    """The start-up summary (config.summary), then what the sizing, the resume and the config's keys
+    have to say; each seed's config is saved in its logdir (main process)."""
+    first = runs[0]
+    trainer = first.trainer
+    print(cfg.summary(first.config, first.agent, device_note, trainer.frames if trainer.resumed else None, ranks,
+                      sizing.weights(), first.resolved, first.spec), flush=True)
+    lines = [*sizing.lines, seeds.cost_line(first.agent, first.config, first.spec)] if len(runs) > 1 else sizing.lines
+    for line in lines:
+        print(line, flush=True)
+    for k, run in enumerate(runs):
+        for line in run.trainer.notes:
+            print(f"seed{k}: {line}" if len(runs) > 1 else line, flush=True)
+    for line in changed:
+        print(f"warning: differs from the saved config: {line}", flush=True)
+    for line in models.ignored_keys(first.config):  # keys the update mode reads nowhere
+        print(f"warning: {line}", flush=True)
+    if ranks.is_main:
+        for run in runs:
+            if not run.trainer.done:
+                cfg.save_config(run.config, run.trainer.logdir / "config.yaml")
         sizing.save()
-        seeds.train_together(trainers, generators, batched, seed_envs)
-    finally:
-        for env in [env for own in seed_envs for env in own]:  # those no seed's thread closed
-            env.close()
 
 
 def check_memory(config, obs_space, act_space):
@@ -446,7 +441,9 @@ class Counters:
         self.policy_steps = 0
         self.updates = 0
         self.episodes = 0
-        self.stored_steps = 0  # policy steps in the training episode files when last saved
+        # Policy steps in the training episode files when last saved, and those of running episodes
+        # that their files will hold (parallel.Collector.unstored): a resume counts each step once.
+        self.stored_steps = 0
         self.completed = 0  # the --steps the run ended at (its last evaluation, log and save done); 0: not yet
 
 
@@ -513,6 +510,7 @@ class Trainer:
         run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
                                           self.evaldir) if eval_envs else None)
         self.evaluation = logs.Evaluation(config, run_episodes, self.eval_replay, self.ranks.is_main, predict)
+        self.final_return = None  # the last evaluation's mean return
         self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
 
     @property
@@ -544,6 +542,7 @@ class Trainer:
         Synchronous, the learner collects and trains in turn; asynchronous, a collector thread collects
         (`train_asynchronously`)."""
         self.run_log.open()
+        ended = False
         try:
             with self.agreement.stops:  # a signal becomes a request, acted on at the next safe point
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
@@ -567,6 +566,7 @@ class Trainer:
                 self.stop_collection()
                 self.counters.completed = self.config.steps
                 self.save()
+            ended = True
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
             self.stop_collection()  # the collector stops first, so that the checkpoint is taken between two steps
             self.save_on_interrupt()
@@ -575,7 +575,7 @@ class Trainer:
             raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
             self.stop_collection()  # after any other error too: no thread outlives the run
-            self.run_log.close()
+            self.run_log.close(quiet=not ended)  # the error that ends the run is raised once
 
     def train_asynchronously(self):
         """The learner trains in this thread while a collector thread (parallel.CollectorThread) steps
@@ -745,6 +745,7 @@ class Trainer:
             self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
             raise
         if mean_return is not None:
+            self.final_return = mean_return  # the closing line's (logs.closing_line)
             self.progress.update(self.frames, eval_return=mean_return)
 
     def save(self):
@@ -752,8 +753,8 @@ class Trainer:
         # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
         with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
             self.count()
-            if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
-                self.counters.stored_steps = storage.stored_steps(self.traindir)
+            if self.collector is not None:  # with the steps of running episodes still to be written
+                self.counters.stored_steps = storage.stored_steps(self.traindir) + self.collector.unstored()
             state = self.checkpoints.state()
         self.checkpoints.write(state)
         self.agreement.saved()

@@ -57,11 +57,17 @@ class WriteError(OSError):
         note = f"; {self.note}" if self.note else ""
         return f"cannot write {self.path}: {self.strerror} (errno {self.errno}){note}"
 
+    # What to do, by errno; anything else: the system's own words, in the message, say it.
+    HINTS = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the disk quota",
+             errno.EFBIG: "raise the file-size limit (ulimit -f) or use a file system that takes larger files",
+             errno.EACCES: "make it writable", errno.EPERM: "make it writable",
+             errno.EROFS: "the file system is read-only: remount it writable or use another --logdir",
+             errno.ENAMETOOLONG: "use a shorter --logdir", errno.EIO: "check the disk (an I/O error)"}
+
     @property
     def hint(self):
-        """What to do about it."""
-        full = self.errno in (errno.ENOSPC, errno.EDQUOT)
-        return f"{'free space' if full else 'make it writable'} and rerun to resume"
+        """What to do about it, fitting its errno."""
+        return f"{self.HINTS.get(self.errno, 'fix the cause')} and rerun to resume"
 
 
 def temp_path(path):
@@ -1017,7 +1023,7 @@ def _unsafe_globals(found):
     return sorted({name for name in found if name not in allowed})
 
 
-def load_checkpoint(path, device="cpu", keys=()):
+def load_checkpoint(path, device="cpu", keys=(), mmap=False):
     """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
 
     Raises CheckpointError with the reason in one line: `unsafe` set for a file that asks to call
@@ -1028,7 +1034,7 @@ def load_checkpoint(path, device="cpu", keys=()):
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location=device, weights_only=True)
+            state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         reason = _torch_reason(e)
         found, complete = pickle_globals(path)
@@ -1049,7 +1055,7 @@ def load_checkpoint(path, device="cpu", keys=()):
     return state
 
 
-def load_checkpoint_or_previous(path, device="cpu", keys=()):
+def load_checkpoint_or_previous(path, device="cpu", keys=(), mmap=False):
     """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
     damaged (load_checkpoint, with `keys`) or non-finite; (None, None, notes) when neither exists.
     Reads only: a run beside training (--eval_only) uses it too.
@@ -1063,7 +1069,7 @@ def load_checkpoint_or_previous(path, device="cpu", keys=()):
                 notes.append(f"{path} is missing")
             continue
         try:
-            state = load_checkpoint(candidate, device, keys)
+            state = load_checkpoint(candidate, device, keys, mmap)
         except CheckpointError as e:
             if e.unsafe:
                 raise
@@ -1173,6 +1179,43 @@ def lock_logdir(logdir):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+class LogdirLock:
+    """The run's hold on `logdir` (lock_logdir), taken before anything in it is read or cleaned: the
+    folder is created first where it does not exist (a name the file system refuses is a ConfigError
+    of one line, before any environment is built), and `abandon()` removes it again, if this start
+    created it, when the run is refused before it wrote anything."""
+
+    def __init__(self, logdir):
+        self.logdir = pathlib.Path(logdir)
+        self.created = not self.logdir.exists()
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Invalid value '{logdir}' for --logdir: the folder cannot be created "
+                              f"({e.strerror or e}); choose a shorter or writable path") from None
+        self.file = lock_logdir(self.logdir)
+
+    def abandon(self):
+        self.file.close()
+        if self.created:
+            (self.logdir / "run.lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # something else was written there meanwhile: keep it
+                self.logdir.rmdir()
+
+
+def finished_frames(path, steps, action_repeat):
+    """The frames of a run whose checkpoint at `path` (or previous.pt) completed --steps `steps`
+    (counters.completed), read without building anything; None when it did not, or cannot be read
+    here (resuming says why)."""
+    try:
+        state, _, _ = load_checkpoint_or_previous(path, "cpu", ("counters",), mmap=True)
+    except CheckpointError:
+        return None
+    if state is None or state["counters"].get("completed", 0) < steps:
+        return None
+    return state["counters"]["policy_steps"] * action_repeat
 
 
 def check_fits(agent, saved, path):
