@@ -17,7 +17,6 @@ in parallel.py, resource sizing in resources.py, processes, devices and random s
 the world model, actor-critic and the update (models.Update.train_step) in models.py.
 """
 
-import collections
 import contextlib
 import functools
 import os
@@ -30,6 +29,7 @@ import traceback
 import torch
 from torch import nn
 
+import collection
 import config as cfg
 import distributions
 import envs
@@ -448,93 +448,49 @@ class Counters:
 
 
 class Trainer:
-    """Owns a run's counters and schedules; `train()` is the loop, in the order it runs.
-
-    Its stored episodes and replay (storage.StoredEpisodes), checkpoint (storage.Checkpoints), logs
-    (logs.RunLog) and evaluation (logs.Evaluation) are components of their own, built from the
-    parts they read. Under torchrun (`ranks` a launch.Distributed) every process runs this loop in
-    lockstep with its own environments, replay and episode folder (rank k > 0: train_eps/rank<k>);
-    the counters and schedules are the same on all of them, so that each makes the same updates.
-    The main process alone logs, evaluates and writes the checkpoint, which holds every rank's
-    random state.
-    """
+    """Owns a run's counters and schedules; `train()` is the loop, in the order it runs. Its stored
+    episodes and checkpoint (`resume`), collection (collection.Collection), logs (logs.RunLog) and
+    evaluation (logs.Evaluation) are components of their own. Under torchrun every process runs this
+    loop in lockstep with its own environments, replay and episode folder (rank k > 0:
+    train_eps/rank<k>), with the same counters and schedules; the main process alone logs, evaluates
+    and writes the checkpoint, which holds every rank's random state."""
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
         # What takes the updates: the agent's own (models.Update), or its seed's share of one
-        # batched update of several seeds (seeds.SeedLearner, set by run_seeds).
-        self.learner = agent.update if agent is not None else None
-        self.ranks = ranks or launch.SingleProcess()
-        self.train_envs, self.eval_envs = train_envs, eval_envs
-        self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
-        self.counters = Counters()
-        per_update = tools.replayed_per_update(config)
-        # Asynchronous collection: a limiter between the collector thread and the learner (train_asynchronously).
-        train = (tools.SamplesPerInsert(config.train_ratio, per_update, config.ratio_tolerance) if config.asynchronous
-                 else tools.Ratio(config.train_ratio, per_update))
-        self.schedules = {"train": train, "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
-        env = (train_envs or eval_envs or [None])[0]  # without one, stored episodes are taken on trust
-        stored = storage.StoredEpisodes(config, logdir, self.ranks.rank, env,
-                                        agent.context.spec if env is not None else {})
-        self.traindir, self.evaldir = stored.traindir, stored.evaldir
-        self.replay, self.eval_replay = stored.replay, stored.eval_replay
-        self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
-        length = config.batch_length + (agent.context.steps if agent is not None else 0)
-        if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
-            raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
-                                    f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
-        self.checkpoints = storage.Checkpoints(logdir / "latest.pt", config, agent, self.counters, self.schedules,
-                                               self.replay, self.ranks)
-        self.resumed, notes = self.checkpoints.resume(None if config.offline_traindir else self.traindir)
-        self.notes += notes
-        # Every rank counts the frames of the rank that stored the most (they differ only after a
-        # kill -9), so that all run the same number of iterations.
-        self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
-        self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
-        self.collector = (parallel.Collector(train_envs, self.replay, self.traindir, self.finished.append,
-                                             config.action_repeat, agent.context, config.chunk_size)
-                          if train_envs else None)
-        self.actor = self.actor_agent = self.synced = None  # asynchronous: the collector thread, from the loop on
+        # batched update of several seeds (seeds.SeedLearner, set by run_processes).
+        self.learner, self.ranks, self.train_envs = agent.update, ranks or launch.SingleProcess(), train_envs
+        self.counters, self.schedules = Counters(), schedules(config)
+        stored, self.checkpoints, self.resumed, self.notes = resume(config, agent, logdir, self.ranks, self.counters,
+                                                                     self.schedules, train_envs or eval_envs)
+        self.stored, self.replay = stored, stored.replay  # stored episodes: their folders and replays
+        self.collection = collection.Collection(config, train_envs, self.replay, stored.traindir, agent.context,
+                                                self.counters)
         # Checkpoints on the save_every clock, and stops at the next safe point (under torchrun agreed at
         # the update boundary).
         stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt})
         self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         waits = ("learner_wait", "env_wait") if config.asynchronous else ()
         self.stopwatch = tools.Stopwatch(("learner", "env", *waits))
-        # The open-loop videos: the main process alone writes them, and they need an image decoder.
-        films = (agent is not None and self.ranks.is_main and config.video_pred_log
-                 and bool(agent.wm.heads["decoder"].cnn_shapes))
-        predict = (lambda data: agent.wm.video_pred(agent.wm.preprocess(data))) if films else None
-        self.run_log = logs.RunLog(config, logdir, self.counters, self.ranks, self.tasks, self.replay,
-                                   self.collector, self.checkpoints.kept, predict)
-        run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
-                                          self.evaldir) if eval_envs else None)
-        self.evaluation = logs.Evaluation(config, run_episodes, self.eval_replay, self.ranks.is_main, predict)
-        self.final_return = None  # the last evaluation's mean return
+        self.run_log, self.evaluation = reporting(config, agent, logdir, self.ranks, self.counters, stored,
+                                                  self.collection.collector, self.checkpoints.kept, eval_envs)
         self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
+        self.final_return = None  # the last evaluation's mean return
 
-    @property
-    def frames(self):
-        return self.counters.policy_steps * self.config.action_repeat
+    frames = property(lambda self: self.counters.policy_steps * self.config.action_repeat)
+    progress = property(lambda self: self.run_log.progress)
 
     @property
     def done(self):
-        """A resumed run that completed its --steps already: a rerun has nothing to do (a larger --steps
-        continues it). `completed` holds the --steps that run ended at, so a checkpoint of an earlier,
-        smaller --steps is not taken as the end of this one, even with stored episodes counted past it."""
+        """A resumed run that completed its --steps (`completed`, so that a checkpoint of a smaller --steps
+        is not taken as the end of this one): a rerun has nothing to do, a larger --steps continues it."""
         return self.resumed and self.counters.completed >= self.config.steps and self.frames >= self.config.steps
 
     @functools.cached_property
     def feed(self):
         """The learner's replay batches (storage.Prefetcher), made at the first update."""
-        config = self.config
-        return storage.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
-                                config.device)
-
-    progress = property(lambda self: self.run_log.progress)
-    evaluates = property(lambda self: self.evaluation.enabled)
-
-    # -- the loop -----------------------------------------------------------------------------------
+        c = self.config
+        return storage.Prefetcher(self.replay, c.batch_size, c.batch_length + self.agent.context.steps, c.device)
 
     def train(self):
         """Prefill and pretrain; then, until `steps` frames: count what was collected, evaluate, log and
@@ -548,7 +504,7 @@ class Trainer:
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
                     prefill_and_pretrain(self)
                 if self.config.asynchronous:
-                    self.train_asynchronously()
+                    train_asynchronously(self)
                 else:  # the learner waits while the environments step and the environments while it trains
                     while self.frames < self.config.steps:
                         self.maintain()
@@ -560,62 +516,28 @@ class Trainer:
                 # run continued from here with more --steps does not do them again at this frame.
                 self.schedules["eval"](self.frames)
                 self.schedules["log"](self.frames)
-                if self.evaluates:
+                if self.evaluation.enabled:
                     self.evaluate()
                 self.log()
-                self.stop_collection()
+                self.collection.stop()
                 self.counters.completed = self.config.steps
                 self.save()
             ended = True
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
-            self.stop_collection()  # the collector stops first, so that the checkpoint is taken between two steps
-            self.save_on_interrupt()
+            self.collection.stop()  # the collector stops first, so that the checkpoint is taken between two steps
+            save_on_interrupt(self)
             raise
         except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
             raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
-            self.stop_collection()  # after any other error too: no thread outlives the run
+            self.collection.stop()  # after any other error too: no thread outlives the run
             self.run_log.close(quiet=not ended)  # the error that ends the run is raised once
 
-    def train_asynchronously(self):
-        """The learner trains in this thread while a collector thread (parallel.CollectorThread) steps
-        every environment under one batched call of a copy of the policy, refreshed every
-        `actor_sync_every` updates, and hands each step over through a queue: this thread alone
-        counts them (`count`). The limiter (tools.SamplesPerInsert) holds the train ratio within
-        `ratio_tolerance` updates: the learner waits when it runs ahead, the collector when the
-        learner falls behind. The collector thread uses one torch thread; the learner keeps its own
-        (README, Going faster)."""
-        config, limiter, env = self.config, self.schedules["train"], self.train_envs[0]
-        limiter.load_state_dict({"updates": limiter.updates, "inserts": self.counters.policy_steps})
-        self.actor_agent = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
-        self.actor_agent.to(config.device).requires_grad_(False)
-        self.actor = parallel.CollectorThread(self.collector, self.actor_policy, limiter, self.counters.policy_steps,
-                                              config.steps, self.stopwatch)
-        self.sync_actor()
-        print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
-              f"with 1, {len(self.train_envs)} environments; weights synced every {config.actor_sync_every} "
-              "updates", flush=True)
-        self.actor.start()
-        while not (self.actor.done.is_set() and not limiter.can_sample()):
-            self.maintain()
-            if self.actor.error is not None:
-                self.raise_actor_error()
-            with self.stopwatch.time("learner_wait"):
-                if not limiter.wait_sample(timeout=0.05):
-                    continue
-            with self.stopwatch.time("learner"):
-                self.update(1)
-            limiter.sampled()
-            if self.counters.updates - self.synced >= config.actor_sync_every:
-                self.sync_actor()
-        self.count()  # the steps handed over since the last maintain
-        if self.actor.error is not None:
-            self.raise_actor_error()
-
     def maintain(self):
-        """Between two steps: count what was collected, evaluate, log and save when due."""
+        """Between two steps, the loop's safe point: count what was collected, evaluate, log and save
+        when due; stop when asked."""
         self.count()
-        evaluated = self.evaluates and self.schedules["eval"](self.frames)
+        evaluated = self.evaluation.enabled and self.schedules["eval"](self.frames)
         if evaluated:
             self.evaluate()
         self.progress.update(self.frames)
@@ -627,97 +549,34 @@ class Trainer:
             self.save()
         self.stop_if_asked()
 
-    # -- collecting and counting ----------------------------------------------------------------------
-
-    def collect(self, policy):
-        if self.collector is None:  # offline: time advances as if the agent were collecting
-            self.counters.policy_steps += max(1, self.config.envs)
-            return
-        try:
-            self.counters.policy_steps += self.collector.step(policy)
-        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
-            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
-            raise
-
-    def count(self):
-        """Count what collection handed over: the collector thread's steps (a synchronous step is counted
-        where it is taken, `collect`) and the episodes finished since the last count."""
-        if self.actor is not None:
-            for steps, episodes in self.actor.take():
-                self.counters.policy_steps += steps
-                self.finished.extend(episodes)
-        while self.finished:
-            episode = self.finished.popleft()
-            self.counters.episodes += 1
-            self.counters.stored_steps += len(episode["reward"]) - 1
-            self.run_log.add_episode(episode)
-
-    def mode(self, frames):
-        """The training policy's mode at `frames`: exploring until expl_until."""
-        config = self.config
-        explore = config.expl_behavior != "greedy" and (not config.expl_until or frames < config.expl_until)
-        return "explore" if explore else "train"
-
-    def policy(self, obs, state):
-        """The learner's training policy; with compile on, its first call (it compiles) is a phase."""
-        return self.announce_compilation("first policy step", self.agent.policy, obs, state, self.mode(self.frames))
-
-    def actor_policy(self, obs, state):
-        """The collector thread's: the agent's copy, at the frames that thread counted."""
-        return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
-
-    def sync_actor(self):
-        with self.actor.policy_lock:
-            self.actor_agent.load_state_dict(self.agent.state_dict())
-        self.synced = self.counters.updates
-
-    def raise_actor_error(self):
-        """The collector thread's error, in the learner's thread; a ValueError as `collect` words it."""
-        error = self.actor.error
-        if isinstance(error, ValueError):  # its weights are the learner's, copied
-            self.raise_non_finite(error, f"in the actor's policy step at frame {self.frames}")
-        raise error
-
-    def stop_collection(self):
-        if self.actor is not None:
-            self.actor.close()
-
-    def raise_non_finite(self, error, where):
-        """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
-        that non-finite weights caused names their learners, a non-finite environment step says which
-        (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
-        agent = self.agent
-        learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
-        if agent.expl_behavior is not None:
-            learners["exploration"] = agent.expl_behavior
-        bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
-        kept = self.checkpoints.kept()
-        if bad:
-            raise storage.NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
-                                         f"{self.counters.updates}); the run stops without saving ({kept})") from None
-        if isinstance(error, parallel.NonFiniteStep):
-            raise storage.NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
-
-    # -- learning -------------------------------------------------------------------------------------
+    def policy(self, obs, state):  # the learner's training policy (compiling, its first call is a phase)
+        mode = policy_mode(self.config, self.frames)
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state, mode)
 
     def announce_compilation(self, name, fn, *args):
         """fn(*args); with compile on, the first call of each kind (it compiles) is a phase of its own."""
         return self.first_calls(name, fn, *args) if self.agent.compiled else fn(*args)
 
+    def collect(self, policy):
+        try:
+            self.collection.step(policy)
+        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
+            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
+            raise
+
+    def count(self):
+        self.collection.count(self.run_log.add_episode)
+
     def update(self, count, phase=None):
-        config = self.config
-        # Every rank updates or none does: the updates average gradients over all of them.
-        context = self.agent.context
-        length = config.batch_length + context.steps  # the context steps only give the start latent
-        if not count or not self.agreement.settle(self.replay.ready(length)):
+        context = self.agent.context  # every rank updates or none does: the updates average gradients over all
+        if not count or not self.agreement.settle(self.replay.ready(self.config.batch_length + context.steps)):
             return
         train_step = self.learner.train_step  # with compile on, its first call (it compiles) is a phase
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
             try:
-                metrics, latents = (self.first_calls("first update", train_step, batch, *on_device)
-                                    if self.agent.compiled else train_step(batch, *on_device))  # models.Update
+                metrics, latents = self.announce_compilation("first update", train_step, batch, *on_device)
             except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
                 self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
                 raise
@@ -727,20 +586,15 @@ class Trainer:
                 phase.update(i + 1)
             self.run_log.record(metrics)
 
-    # -- logging, evaluating, saving ------------------------------------------------------------------
-
     def log(self):
         self.run_log.check_losses()
         self.count()
-        perf = {f"{name}_busy" if name in ("learner", "env") else name: value
-                for name, value in self.stopwatch.fractions().items()}
-        if self.actor is not None:
-            perf["policy_lag"] = self.counters.updates - self.synced
-        self.run_log.log(perf)
+        lag = self.counters.updates - self.collection.synced if self.collection.thread is not None else None
+        self.run_log.log(self.stopwatch.fractions(), lag)
 
     def evaluate(self):
         try:
-            mean_return = self.evaluation.run(self.run_log.logger)
+            mean_return = self.evaluation.run(self.run_log)
         except ValueError as e:  # as in collect
             self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
             raise
@@ -750,42 +604,149 @@ class Trainer:
 
     def save(self):
         self.run_log.check_losses()
-        # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
-        with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
+        with self.collection.between_steps():  # counters, schedules and episodes on disk agree
             self.count()
-            if self.collector is not None:  # with the steps of running episodes still to be written
-                self.counters.stored_steps = storage.stored_steps(self.traindir) + self.collector.unstored()
+            if self.collection.collector is not None:
+                self.counters.stored_steps = self.collection.stored_steps()
             state = self.checkpoints.state()
         self.checkpoints.write(state)
         self.agreement.saved()
 
-    def save_on_interrupt(self):
-        if self.checkpoints.saved_at == (self.frames, self.counters.updates):  # a stop the ranks agreed on saved
-            return
-        if self.ranks.world_size > 1:
-            # A second signal: saving gathers from every rank, and each stopped at its own point.
-            print(f"Not saved: a second signal stops every rank at once ({self.checkpoints.kept()}).",
-                  file=sys.stderr, flush=True)
-            return
-        try:
-            self.save()
-        except (storage.NonFiniteError, storage.WriteError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-
     def stop_if_asked(self):
-        """A safe point: once a stop was asked for (under torchrun, once the ranks agreed on it:
-        Agreement), save (together) and end as the signal would (Interrupted: exit 143,
-        KeyboardInterrupt: 130)."""
+        """At a safe point: once a stop was asked for (under torchrun: agreed, Agreement), save and end as
+        the signal would (Interrupted: exit 143, KeyboardInterrupt: 130)."""
         if self.agreement.stop_code:
             self.save()
             raise self.agreement.stops.exception(self.agreement.stop_code)
+
+    def raise_non_finite(self, error, where):
+        raise_non_finite(self.agent, error, where, self.counters.updates, self.checkpoints.kept())
+
+
+def resume(config, agent, logdir, ranks, counters, schedules, env_list):
+    """The run's stored episodes (storage.StoredEpisodes: its replays; they fit the spaces of
+    env_list's first, or are taken on trust without one) and its checkpoint (storage.Checkpoints),
+    resumed from where there is one into `counters` and `schedules`. Returns (stored episodes,
+    checkpoints, whether it resumed, lines for the start-up summary)."""
+    stored = storage.StoredEpisodes(config, logdir, ranks.rank, (env_list or [None])[0], agent.context.spec)
+    length = config.batch_length + agent.context.steps
+    if config.offline_traindir and not stored.replay.ready(length):  # it would finish with no update
+        raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
+                                f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
+    checkpoints = storage.Checkpoints(logdir / "latest.pt", config, agent, counters, schedules, stored.replay, ranks)
+    resumed, notes = checkpoints.resume(None if config.offline_traindir else stored.traindir)
+    # Every rank counts the frames of the rank that stored the most (they differ only after a
+    # kill -9), so that all run the same number of iterations.
+    counters.policy_steps = ranks.max(counters.policy_steps)
+    return stored, checkpoints, resumed, [*stored.recovered, stored.note, *notes]
+
+
+def schedules(config):
+    """The Trainer's schedules: the train ratio (asynchronous: a limiter between the collector thread
+    and the learner, tools.SamplesPerInsert), the log and the evaluation."""
+    per_update = tools.replayed_per_update(config)
+    train = (tools.SamplesPerInsert(config.train_ratio, per_update, config.ratio_tolerance) if config.asynchronous
+             else tools.Ratio(config.train_ratio, per_update))
+    return {"train": train, "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+
+
+def reporting(config, agent, logdir, ranks, counters, stored, collector, kept, eval_envs):
+    """The run's log (logs.RunLog) and evaluation (logs.Evaluation, on `eval_envs` into the stored
+    evaluation episodes), with the open-loop prediction videos where they are made: on the main
+    process alone, with an image decoder."""
+    films = ranks.is_main and config.video_pred_log and agent.wm.heads["decoder"].cnn_shapes
+    predict = (lambda data: agent.wm.video_pred(agent.wm.preprocess(data))) if films else None
+    run_log = logs.RunLog(config, logdir, counters, ranks, envs.parse_tasks(config.task), stored.replay, collector,
+                          kept, predict)
+    run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
+                                      stored.evaldir) if eval_envs else None)
+    return run_log, logs.Evaluation(config, run_episodes, stored.eval_replay, ranks.is_main, predict)
+
+
+def raise_non_finite(agent, error, where, updates, kept):
+    """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
+    that non-finite weights caused names their learners, a non-finite environment step says which
+    (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
+    learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
+    if agent.expl_behavior is not None:
+        learners["exploration"] = agent.expl_behavior
+    bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
+    if bad:
+        raise storage.NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update {updates}); the "
+                                     f"run stops without saving ({kept})") from None
+    if isinstance(error, parallel.NonFiniteStep):
+        raise storage.NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
+
+
+def policy_mode(config, frames):
+    """The training policy's mode at `frames`: exploring until expl_until."""
+    explore = config.expl_behavior != "greedy" and (not config.expl_until or frames < config.expl_until)
+    return "explore" if explore else "train"
+
+
+def train_asynchronously(trainer):
+    """The loop of an asynchronous run: the learner trains in this thread while a collector thread
+    (collection.Collection.start) steps every environment under one batched call of a copy of the
+    policy, refreshed every `actor_sync_every` updates. The limiter (tools.SamplesPerInsert) holds
+    the train ratio within `ratio_tolerance` updates: the learner waits when it runs ahead, the
+    collector when the learner falls behind. The collector thread uses one torch thread; the learner
+    keeps its own (README, Going faster)."""
+    config, limiter, collecting = trainer.config, trainer.schedules["train"], trainer.collection
+    env = trainer.train_envs[0]
+    limiter.load_state_dict({"updates": limiter.updates, "inserts": trainer.counters.policy_steps})
+    actor = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
+    collecting.start(actor.to(config.device).requires_grad_(False), functools.partial(policy_mode, config), limiter,
+                     trainer.stopwatch)
+    collecting.sync(trainer.agent, trainer.counters.updates)
+    print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
+          f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
+          "updates", flush=True)
+    collecting.thread.start()
+    while not (collecting.thread.done.is_set() and not limiter.can_sample()):
+        trainer.maintain()
+        raise_actor_error(trainer)
+        with trainer.stopwatch.time("learner_wait"):
+            if not limiter.wait_sample(timeout=0.05):
+                continue
+        with trainer.stopwatch.time("learner"):
+            trainer.update(1)
+        limiter.sampled()
+        if trainer.counters.updates - collecting.synced >= config.actor_sync_every:
+            collecting.sync(trainer.agent, trainer.counters.updates)
+    trainer.count()  # the steps handed over since the last maintain
+    raise_actor_error(trainer)
+
+
+def raise_actor_error(trainer):
+    """The collector thread's error, in the learner's thread; a ValueError as Trainer.collect words it."""
+    error = trainer.collection.thread.error
+    if isinstance(error, ValueError):  # its weights are the learner's, copied
+        trainer.raise_non_finite(error, f"in the actor's policy step at frame {trainer.frames}")
+    if error is not None:
+        raise error
+
+
+def save_on_interrupt(trainer):
+    """Ctrl-C or SIGTERM that ended the loop where it was (a deadline passed, a second signal): save
+    there, unless a stop at a safe point saved already."""
+    if trainer.checkpoints.saved_at == (trainer.frames, trainer.counters.updates):
+        return
+    if trainer.ranks.world_size > 1:
+        # A second signal: saving gathers from every rank, and each stopped at its own point.
+        print(f"Not saved: a second signal stops every rank at once ({trainer.checkpoints.kept()}).",
+              file=sys.stderr, flush=True)
+        return
+    try:
+        trainer.save()
+    except (storage.NonFiniteError, storage.WriteError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
 
 
 def prefill_and_pretrain(trainer):
     """Before the loop: the prefill (`PREFILLS[prefill_policy]`), then `pretrain` updates; the
     prefill's steps count as paid for, so that training starts at the train ratio."""
     config = trainer.config
-    if trainer.collector is not None:
+    if trainer.collection.collector is not None:
         PREFILLS[config.prefill_policy](trainer)
     if config.pretrain:
         with logs.Phase("pretrain", config.pretrain, "update", trainer.progress.interactive) as phase:

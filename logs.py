@@ -407,7 +407,7 @@ class Progress:
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.total = total
         self.bar = tqdm(total=total, initial=initial, unit="frame", dynamic_ncols=True, disable=not self.interactive)
-        self.stats = {}
+        self.stats, self.eta = {}, None
 
     def update(self, frames, **stats):
         self.stats.update({k: v for k, v in stats.items() if v is not None})
@@ -420,9 +420,11 @@ class Progress:
         return f"{value:.0%}" if key.endswith("_busy") else f"{value:.1f}"
 
     def line(self, frames):
-        """The plain progress line: frames, rates, last returns and ETA."""
+        """The plain progress line: frames, rates, last returns and ETA (`eta` seconds where the run's log
+        set it, eta_seconds; else from the fps)."""
         fps = self.stats.get("fps", 0.0)
-        eta = datetime.timedelta(seconds=int(max(self.total - frames, 0) / fps)) if fps > 0 else "?"
+        left = self.eta if self.eta is not None else max(self.total - frames, 0) / fps if fps > 0 else None
+        eta = datetime.timedelta(seconds=int(max(left, 0))) if left is not None else "?"
         done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
         parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
@@ -434,6 +436,15 @@ class Progress:
 
     def close(self):
         self.bar.close()
+
+
+def eta_seconds(frames_left, frames, seconds, evaluations):
+    """The seconds left: `frames_left` at the training pace of the last log (`frames` in `seconds` of
+    training, its evaluations' time left out), plus the evaluations still due (`evaluations`: their
+    seconds). a682c18 divided by the first log's fps, evaluation included: 10-50x too long."""
+    if frames <= 0 or seconds <= 0:
+        return None
+    return max(frames_left, 0) * seconds / frames + evaluations
 
 
 class Phase:
@@ -633,6 +644,14 @@ class RunLog:
         self.recent_episodes = []
         self.logger = self.progress = None  # made by open(), at the start of training
         self.last_log = (time.time(), counters.policy_steps, counters.updates)
+        # Evaluations: seconds since the last log, and in all with their count (the ETA's).
+        self.eval_seconds, self.eval_total, self.evaluations = 0.0, 0.0, 0
+
+    def evaluated(self, seconds):
+        """An evaluation took `seconds` (Evaluation.run): left out of the training pace, counted apart."""
+        self.eval_seconds += seconds
+        self.eval_total += seconds
+        self.evaluations += 1
 
     @property
     def frames(self):
@@ -669,9 +688,13 @@ class RunLog:
             self.logger.scalar(f"train/{task}/length", stats["length"])
         self.progress.update(self.frames, train_return=stats["return"])
 
-    def log(self, perf):
-        """Write the metrics since the last log, with `perf` ({name: fraction or count}: the learner's
-        and the environments' busy time and the loop's own figures) under perf/."""
+    def log(self, busy, policy_lag=None):
+        """Write the metrics since the last log, with the loop's own figures under perf/: `busy`
+        ({name: fraction}, tools.Stopwatch.fractions: the learner's and the environments' busy time,
+        and the waits), and the collector thread's `policy_lag` in updates (asynchronous)."""
+        perf = {f"{name}_busy" if name in ("learner", "env") else name: value for name, value in busy.items()}
+        if policy_lag is not None:
+            perf["policy_lag"] = policy_lag
         config, counters = self.config, self.counters
         now, steps, frames = time.time(), counters.policy_steps, self.frames
         for key, values in self.metrics.items():
@@ -699,8 +722,12 @@ class RunLog:
         self.logger.write(frames)
         self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=perf["learner_busy"],
                              env_busy=perf["env_busy"])
+        evals_left = max(config.steps - frames, 0) / config.eval_every if self.evaluations and config.eval_every else 0
+        self.progress.eta = eta_seconds(config.steps - frames, (steps - self.last_log[1]) * config.action_repeat,
+                                        seconds - self.eval_seconds,
+                                        evals_left * self.eval_total / max(self.evaluations, 1))
         self.progress.log(frames)
-        self.last_log = (now, steps, counters.updates)
+        self.last_log, self.eval_seconds = (now, steps, counters.updates), 0.0
 
     def log_task_frames(self, frames):
         """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
@@ -756,16 +783,19 @@ class Evaluation:
         """Whether the run evaluates (the same on every rank; only the main one has evaluation environments)."""
         return self.config.eval_episode_num > 0 and (self.run_episodes is not None or not self.is_main)
 
-    def run(self, logger):
-        """The episodes, logged; returns their mean return (None on another rank than the main one,
-        which waits at the save that follows)."""
+    def run(self, run_log):
+        """The episodes, logged to `run_log` (RunLog, which gets their time apart: RunLog.evaluated);
+        returns their mean return (None on another rank than the main one, which waits at the save
+        that follows)."""
         if self.run_episodes is None:
             return None
+        start, logger = time.time(), run_log.logger
         episodes = self.run_episodes()
         for episode in episodes:
             self.replay.add_episode(strip_logs(episode))
         returns = log_evaluation(logger, episodes, self.config)
         film_predictions(logger, "eval/openl", self.predict, self.replay, self.config.batch_length)
+        run_log.evaluated(time.time() - start)
         return float(np.mean(returns))
 
 

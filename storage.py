@@ -1071,8 +1071,10 @@ def load_checkpoint_or_previous(path, device="cpu", keys=(), mmap=False):
         try:
             state = load_checkpoint(candidate, device, keys, mmap)
         except CheckpointError as e:
-            if e.unsafe:
-                raise
+            if e.unsafe:  # never skipped: someone changed a file of the run, which must not go unnoticed
+                then = " to resume from previous.pt" if candidate == path and previous_path(path).exists() else ""
+                raise CheckpointError(f"{e}. It is never skipped: move it out of the logdir (keep it to inspect) and "
+                                      f"rerun{then}", unsafe=True) from None
             notes.append(str(e))
             continue
         if not all_finite(state):
@@ -1082,7 +1084,9 @@ def load_checkpoint_or_previous(path, device="cpu", keys=(), mmap=False):
             notes.append(f"using the previous checkpoint {candidate}")
         return state, candidate, notes
     if notes:
-        raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
+        raise CheckpointError("no usable checkpoint: " + "; ".join(notes) + f". Move {path.name} and "
+                              f"{previous_path(path).name} out of {path.parent} to train from fresh weights (the "
+                              "stored episodes are kept and counted), or use another --logdir")
     return None, None, notes
 
 
@@ -1278,9 +1282,16 @@ class StoredEpisodes:
         for episode in load_episodes(source, 100 * config.batch_length, spec, self.skip):
             self.eval_replay.add_episode(strip_logs(episode))
         self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
+        if self.skipped == 1:
+            skip_warning(*self.first_skipped)
+        elif self.skipped:  # one line, not one per file (a logdir resumed with another suite's preset)
+            name, problem = self.first_skipped
+            print(f"warning: skipping {self.skipped} episode files that do not load or fit this run, the first "
+                  f"{name}: {problem}", file=sys.stderr, flush=True)
 
     def skip(self, filename, problem):
-        skip_warning(filename, problem)
+        if not self.skipped:
+            self.first_skipped = (filename, problem)
         self.skipped += 1
 
 
@@ -1369,6 +1380,9 @@ class Checkpoints:
         # chunk at the save, at most chunk_size per environment, may count twice).
         rank = ranks.rank
         saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"]["stored_steps"]
+        if traindir is not None and saved and not stored:
+            notes.append(f"WARNING: episode files missing: {traindir} holds none, and the checkpoint counted "
+                         f"{saved * config.action_repeat} frames of them (moved or deleted?); the replay starts empty")
         extra = stored - saved
         counters.stored_steps = stored
         if extra > 0:
@@ -1430,6 +1444,11 @@ class Checkpoints:
         reloaded; a line for the summary when some could not be placed."""
         rank = self.ranks.rank
         missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
-        return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
-                "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
-                "policy's, stand in)"] if missed else []
+        # What this run keeps beyond the files: the v1 update neither writes latents back nor queues.
+        kept = [name for name, used in (("written-back latents", bool(self.agent.context.spec)),
+                                        ("online queue", bool(self.config.replay_online))) if used]
+        if not missed or not kept:
+            return []
+        stand_in = " (the files' latents, the policy's, stand in)" if self.agent.context.spec else ""
+        return [f"WARNING: the replay's {' and '.join(kept)} of {missed} environment stream(s) were not restored: "
+                f"the episode files do not hold their steps as saved{stand_in}"]

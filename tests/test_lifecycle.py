@@ -3,12 +3,15 @@ anything in the logdir is read, a logdir the file system refuses named in one li
 failing through one line whose advice fits the errno, the frame count on resume counting each stored step
 once, and the closing line that says where the results are and what to run next."""
 
+import copy
 import errno
 import json
 import os
 import pathlib
 import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
+import launch  # noqa: E402
 import logs  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
@@ -196,3 +200,132 @@ def test_a_run_under_a_file_size_limit_ends_with_one_line_that_says_so(tmp_path)
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("error: cannot write ") and "File too large (errno 27)" in lines[0]
     assert "raise the file-size limit (ulimit -f)" in lines[0]
+
+
+# -- 12: the ETA -----------------------------------------------------------------------------------------
+
+
+def test_the_eta_leaves_the_evaluations_out_of_the_training_pace_and_adds_those_still_due(tmp_path, capsys):
+    """The first log's 1,000 frames took 100 s, 90 of them an evaluation; 9,000 frames and one evaluation
+    are left: 9,000 frames at 100 fps and 90 s, 3 minutes. a682c18 divided by the first log's fps,
+    evaluation included (10 fps): 15 minutes."""
+    config = cfg.parse([*SHORT, "--steps", "10000", "--eval_every", "9000", "--action_repeat", "2",
+                        "--logger", "jsonl"], presets=copy.deepcopy(PRESETS))
+    counters = dreamer.Counters()
+    run_log = logs.RunLog(config, tmp_path, counters, launch.SingleProcess(), ["dmc_walker_walk"],
+                          storage.Replay(10, 1), None, lambda: "nothing saved", None)
+    run_log.open()
+    run_log.progress.interactive = False
+    run_log.last_log = (time.time() - 100, 0, 0)
+    run_log.evaluated(90.0)
+    counters.policy_steps = 500  # 1,000 frames
+    run_log.log({"learner": 0.5, "env": 0.5})
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("frames 1000/10000") and line.endswith("ETA 0:03:00"), line
+    run_log.close()
+    assert logs.eta_seconds(9000, 1000, 10.0, 90.0) == 180.0
+
+
+# -- 15: what a run says -----------------------------------------------------------------------------------
+
+
+def test_two_seeds_printing_at_once_never_share_a_line():
+    """print writes its text and its newline in two calls; a682c18 prefixed each call, so seed1's text
+    written between seed0's two landed on seed0's line: `seed0: aseed1: b`."""
+    import io
+    import threading
+
+    import seeds
+
+    stream = io.StringIO()
+    output = seeds.SeedOutput(stream)
+    turns = [threading.Event() for _ in range(4)]
+
+    def seed(k):
+        turns[k].wait()
+        output.write(f"line of seed{k}")  # print's text ...
+        turns[k + 1].set()
+        turns[k + 2].wait()
+        output.write("\n")  # ... and its newline, after the other seed's text
+        if k + 3 < len(turns):
+            turns[k + 3].set()
+
+    threads = [threading.Thread(target=seed, args=(k,), name=f"seed{k}") for k in range(2)]
+    for thread in threads:
+        thread.start()
+    turns[0].set()
+    for thread in threads:
+        thread.join(10)
+    output.write("main\n")
+    threads = [threading.Thread(target=output.write, args=("unfinished",), name="seed2")]
+    threads[0].start()
+    threads[0].join()
+    output.finish()
+    assert stream.getvalue().splitlines() == ["seed0: line of seed0", "seed1: line of seed1", "main",
+                                              "seed2: unfinished"]
+
+
+@pytest.mark.parametrize("context, online, warned", [
+    ({}, False, None),  # v1: nothing beyond the episode files to restore, nothing to warn about
+    ({"deter": ((3,), np.float32)}, False, "the replay's written-back latents of 1 environment stream(s)"),
+    ({}, True, "the replay's online queue of 1 environment stream(s)"),
+])
+def test_a_resume_warns_about_replay_state_only_where_the_run_keeps_some(context, online, warned):
+    """a682c18 warned that a v1 run's written-back latents were not restored after a Ctrl-C, though v1
+    writes none back."""
+    import types
+
+    config = cfg.parse(["--configs", "debug", "--replay_online", str(online)], presets=copy.deepcopy(PRESETS))
+    replay = storage.Replay(100, 1)
+    for t in range(30):
+        replay.add({"action": np.full(1, t, np.float32), "reward": np.float32(t), "is_first": t == 0})
+    saved = {"action": torch.full((20, 1), -1.0), "reward": torch.full((20,), -1.0)}  # steps the files lack
+    agent = types.SimpleNamespace(context=types.SimpleNamespace(spec=context))
+    checkpoints = storage.Checkpoints(None, config, agent, dreamer.Counters(), {}, replay, launch.SingleProcess())
+    lines = checkpoints.restore_replay({"replay": {"streams": [saved], "queue": []}})
+    assert lines == [] if warned is None else (len(lines) == 1 and warned in lines[0]), lines
+
+
+def test_episode_files_another_suite_wrote_are_skipped_in_one_line(tmp_path, capsys):
+    """A logdir resumed with another suite's preset: a682c18 printed one warning per file before its advice."""
+    for _ in range(5):
+        storage.save_episode(tmp_path / "train_eps", {"image": np.zeros((5, 8, 8, 3), np.uint8),
+                                                      "reward": np.zeros(5, np.float32), "is_first": np.eye(5)[0] > 0})
+    config = cfg.parse(["--configs", "debug"], presets=copy.deepcopy(PRESETS))
+    from stand_ins import CountingEnv
+
+    stored = storage.StoredEpisodes(config, tmp_path, 0, CountingEnv(3), {})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stored.skipped == 5 and len(err) == 1, err
+    assert err[0].startswith("warning: skipping 5 episode files that do not load or fit this run, the first ")
+
+
+# -- 20: damaged, refused and missing files ---------------------------------------------------------------
+
+
+def test_two_damaged_checkpoints_are_refused_in_a_line_that_says_what_to_do(tmp_path):
+    (tmp_path / "latest.pt").write_bytes(bytes(10))
+    storage.previous_path(tmp_path / "latest.pt").write_bytes(b"")
+    with pytest.raises(storage.CheckpointError) as error:
+        storage.load_checkpoint_or_previous(tmp_path / "latest.pt")
+    line = str(error.value)
+    assert "\n" not in line and line.startswith("no usable checkpoint: cannot read")
+    assert line.endswith(f"Move latest.pt and previous.pt out of {tmp_path} to train from fresh weights (the stored "
+                         "episodes are kept and counted), or use another --logdir")
+
+
+class Crafted:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_a_crafted_checkpoint_is_never_skipped_and_the_line_says_how_to_resume_from_the_previous(tmp_path):
+    """README: a checkpoint that could run code is refused, never skipped for previous.pt (someone changed a
+    file of the run); the line says how to resume from previous.pt after setting it aside."""
+    torch.save({"agent": {}}, storage.previous_path(tmp_path / "latest.pt"))
+    torch.save({"agent": Crafted()}, tmp_path / "latest.pt")
+    with pytest.raises(storage.CheckpointError) as error:
+        storage.load_checkpoint_or_previous(tmp_path / "latest.pt")
+    assert error.value.unsafe and str(error.value).startswith(f"refusing to load {tmp_path / 'latest.pt'}")
+    assert str(error.value).endswith("It is never skipped: move it out of the logdir (keep it to inspect) and rerun "
+                                     "to resume from previous.pt")

@@ -299,7 +299,10 @@ def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behi
     assert storage.load_checkpoint(path)["step"] == 1 and not storage.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
     readonly = storage.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
-    assert readonly.hint == "make it writable and rerun to resume"
+    assert readonly.hint == ("the file system is read-only: remount it writable or use another --logdir and rerun "
+                             "to resume")
+    denied = storage.WriteError(path, OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    assert denied.hint == "make it writable and rerun to resume"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -322,6 +322,16 @@ def test_a_missing_checkpoint_beside_episodes_is_said_loudly(run_copy):
     trainer.train_envs[0].close()
 
 
+def test_an_emptied_episode_folder_is_named_as_missing(run_copy):
+    """a682c18 resumed with an empty replay without a word."""
+    for path in (run_copy / "train_eps").glob("*.npz"):
+        path.unlink()
+    trainer = trainer_for(run_copy)
+    assert any(note.startswith(f"WARNING: episode files missing: {run_copy / 'train_eps'} holds none, and the "
+                               "checkpoint counted 40 frames") for note in trainer.notes), trainer.notes
+    trainer.train_envs[0].close()
+
+
 def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
     """What cluster schedulers send before a kill; its own process, since the handler is the point."""
     logdir = tmp_path / "run"
