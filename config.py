@@ -523,6 +523,11 @@ def check_processes(config):
 def check_logdir(logdir):
     """The logdir must be a folder, or creatable, and writable: probed with a temporary file that
     is removed again, because permission bits say nothing for root or read-only mounts."""
+    try:
+        logdir.exists()
+    except OSError as e:  # a name the file system refuses (ENAMETOOLONG), a symlink loop (ELOOP)
+        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: the folder cannot be created "
+                                f"({e.strerror or e}); choose a shorter or writable path") from None
     if logdir.exists() and not logdir.is_dir():
         raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: it is a file, not a folder")
     existing = next(p for p in (logdir, *logdir.parents) if p.exists())

@@ -17,18 +17,19 @@ in parallel.py, resource sizing in resources.py, processes, devices and random s
 the world model, actor-critic and the update (models.Update.train_step) in models.py.
 """
 
-import collections
 import contextlib
 import functools
 import os
 import pathlib
 import signal
 import sys
+import time
 import traceback
 
 import torch
 from torch import nn
 
+import collection
 import compilation
 import config as cfg
 import distributions
@@ -128,29 +129,100 @@ def setup(argv):
 
 
 def run_processes(config, logdir, device_note, changed, ranks):
-    """Build the run on this process (one of `ranks`) and train; the config is settled here, once:
-    the device of this rank, --envs/--parallel auto (Resources), the actor and compile auto from the
-    action space and device (compilation.resolve_auto). It is printed and saved, and read-only after."""
+    """Build the run on this process (one of `ranks`) and train: one seed, or --seeds N (the seeds
+    seed .. seed + N - 1, each a run of its own in <logdir>/seed<k>, trained together by one
+    batched update: seeds.py). The config is settled here, once: the device of this rank,
+    --envs/--parallel auto (Resources, measured once for every seed), the actor and compile auto
+    from the action space and device (compilation.resolve_auto). It is printed and saved, and read-only
+    after. A rerun resumes every seed; one that finished its --steps waits for the others."""
     config = config.replace(device=ranks.device(config.device))
-    if config.seeds > 1:
-        return run_seeds(config, logdir, device_note, changed, ranks)
+    if config.seeds > 1 and config.compile == "auto":  # the batched update runs eager (seeds.check)
+        config = config.replace(compile=False)
     if not ranks.is_main:  # the main process alone prints progress; errors still reach stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    # One run per logdir, held until this process ends. A logdir that exists may be in use: check
-    # before building anything; a new one is locked once created. --eval_only only reads, so it
-    # may run beside training. Under torchrun the main process holds it for all.
-    try:
-        lock = storage.lock_logdir(logdir) if logdir.is_dir() and not config.eval_only and ranks.is_main else None
-    except storage.LogdirBusy as e:
-        cfg.fail(str(e))
-    ranks.barrier()  # the others start only once the main process has the logdir
-    launch.seed_everything(config.seed + 1000 * ranks.rank, config.deterministic_run)
     torch.set_float32_matmul_precision("high")
     launch.keep_freed_memory()
-    train_envs, eval_envs = [], []
-    sizing = resources.Resources(config, logdir, Dreamer)
+    dirs = [logdir] if config.seeds == 1 else [logdir / f"seed{k}" for k in range(config.seeds)]
+    # One run per logdir, held until this process ends, taken before anything in it is read or
+    # cleaned (a second run must not recover the first one's checkpoint in flight). Under torchrun
+    # the main process holds it for all; --eval_only only reads, so it may run beside training.
+    locks = [storage.LogdirLock(own) for own in dirs] if ranks.is_main and not config.eval_only else []
+    ranks.barrier()  # the others start only once the main process has the logdir
+    finished = [] if config.eval_only else [storage.finished_frames(own / "latest.pt", config.steps,
+                                                                    config.action_repeat) for own in dirs]
+    if finished and all(finished):  # before any environment worker starts
+        for own, frames in zip(dirs, finished):
+            print(f"Run finished: {own} completed {frames} frames of --steps {config.steps}; nothing to do (a "
+                  "larger --steps continues it)", flush=True)
+        return None
+    runs, sizing = [], None
     try:
-        config = sizing.settle()  # --envs, --parallel auto: measured (or reused) before any environment is built
+        try:
+            for k, own_dir in enumerate(dirs):
+                own = config if config.seeds == 1 else config.replace(seed=config.seed + k, logdir=str(own_dir))
+                if k == 0 and config.seeds > 1 and (own_dir / "config.yaml").exists():
+                    changed = cfg.compare_saved_config(own, own_dir / "config.yaml")
+                launch.seed_everything(own.seed + 1000 * ranks.rank, own.deterministic_run)
+                if sizing is None:  # --envs and --parallel auto: measured once, for every seed
+                    sizing = resources.Resources(own, own_dir, Dreamer)
+                    settled = sizing.settle()
+                own = own.replace(envs=settled.envs, parallel=settled.parallel)
+                runs.append(build_seed(own, own_dir, sizing, ranks))
+        except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError, storage.CheckpointError,
+                storage.LogdirBusy) as e:
+            # A user mistake, or a suite whose package is missing: its last line says what to do.
+            for run in runs:
+                run.close()
+            for lock in locks:
+                lock.abandon()  # a logdir this start created is removed again: nothing half-written
+            cfg.fail(str(e).strip().splitlines()[-1])
+        first = runs[0]
+        if config.eval_only:
+            return evaluate_checkpoint(first.config, first.agent, logdir, first.eval_envs)
+        if all(run.trainer.done for run in runs):  # a finish the check above could not read (a kill mid-save)
+            for run in runs:
+                print(f"Run finished: {run.trainer.logdir} completed {run.trainer.frames} frames of --steps "
+                      f"{config.steps}; nothing to do (a larger --steps continues it)", flush=True)
+            return None
+        report_start(runs, sizing, device_note, changed, ranks)
+        started = time.time()
+        if len(runs) == 1:
+            runs[0].trainer.train()
+        else:
+            generators = [run.generator for run in runs]
+            batched = seeds.BatchedUpdate([run.agent for run in runs], generators)
+            for k, run in enumerate(runs):
+                run.trainer.learner = seeds.SeedLearner(batched, k)
+            seeds.train_together([run.trainer for run in runs], generators, batched, [run.envs for run in runs])
+        if ranks.is_main:
+            ends = [(run.trainer.frames, run.trainer.final_return, run.trainer.logdir) for run in runs]
+            print(logs.closing_line(ends, logdir, time.time() - started), flush=True)
+    finally:
+        for run in runs:  # those no seed's thread closed
+            run.close()
+
+
+class SeedRun:
+    """One seed's run as `build_seed` made it: its settled config, environments (`envs`, closed by
+    close(), or by its thread under --seeds: a rendering context is bound to it), agent, random
+    stream under --seeds (`generator`) and Trainer."""
+
+    def __init__(self, config, train_envs, eval_envs, agent, generator, trainer, resolved, spec):
+        self.config, self.train_envs, self.eval_envs, self.agent = config, train_envs, eval_envs, agent
+        self.envs = train_envs + eval_envs
+        self.generator, self.trainer, self.resolved, self.spec = generator, trainer, resolved, spec
+
+    def close(self):
+        while self.envs:
+            self.envs.pop().close()
+
+
+def build_seed(config, logdir, sizing, ranks):
+    """A seed's environments (as many and where `sizing`, resources.Resources, settled), agent and
+    Trainer in `logdir`: the last `auto` keys settled from the action space,
+    the memory checked before the agent is allocated; resuming, its checkpoint loaded."""
+    train_envs, eval_envs = [], []
+    try:
         if not config.offline_traindir and not config.eval_only:
             train_envs = parallel.make_envs(config, "train", config.envs, ranks.rank * config.envs,
                                             sizing.weights(), sizing.processes())
@@ -166,118 +238,41 @@ def run_processes(config, logdir, device_note, changed, ranks):
         check_memory(config, env.obs_space, env.act_space)
         agent = Dreamer(env.obs_space, env.act_space, config).to(config.device)
         agent.distribute(ranks)  # resuming, every rank loads the same checkpoint after this
-    except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
-        # A user mistake, or a suite whose package is missing: its last line says what to do.
-        for env in train_envs + eval_envs:
-            env.close()
-        cfg.fail(str(e).strip().splitlines()[-1])
-    try:
-        try:
-            if config.eval_only:
-                return evaluate_checkpoint(config, agent, logdir, eval_envs)
-            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a new logdir: nothing written yet
-            logdir.mkdir(parents=True, exist_ok=True)
-            if ranks.is_main:
-                lock = lock or storage.lock_logdir(logdir)  # noqa: F841 - held until this process ends
-        except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
-            cfg.fail(str(e))
-        if trainer.done:  # writes nothing: no metrics row, events file, config or checkpoint
-            for line in trainer.notes:
-                print(line, flush=True)
-            print(f"Run finished: {config.logdir} completed {trainer.frames} frames of --steps {config.steps}; "
-                  "nothing to do (a larger --steps continues it)", flush=True)
-            return None
         spec = {**storage.episode_spec(env.obs_space, env.act_space), **agent.context.spec}
-        print(cfg.summary(config, agent, device_note, trainer.frames if trainer.resumed else None, ranks,
-                          sizing.weights(), resolved, spec), flush=True)
-        for line in sizing.lines:
-            print(line, flush=True)
-        for line in trainer.notes:
-            print(line, flush=True)
-        for line in changed:
-            print(f"warning: differs from the saved config: {line}", flush=True)
-        for line in models.ignored_keys(config):  # keys the update mode reads nowhere
-            print(f"warning: {line}", flush=True)
-        if ranks.is_main:
-            cfg.save_config(config, logdir / "config.yaml")
-            sizing.save()
-        trainer.train()
-    finally:
+        if config.eval_only:
+            return SeedRun(config, train_envs, eval_envs, agent, None, None, resolved, spec)
+        generator = seeds.seed_generator(config.device) if config.seeds > 1 else None  # where this seed draws on from
+        with distributions.generator(generator) if generator is not None else contextlib.nullcontext():
+            trainer = Trainer(config, agent, logdir, train_envs, eval_envs, ranks)  # a resumed seed's random state
+    except BaseException:
         for env in train_envs + eval_envs:
             env.close()
+        raise
+    return SeedRun(config, train_envs, eval_envs, agent, generator, trainer, resolved, spec)
 
 
-def run_seeds(config, logdir, device_note, changed, ranks):
-    """--seeds N: the seeds seed .. seed + N - 1 in this process, each a run of its own in
-    <logdir>/seed<k> (its environments, replay, Trainer, checkpoint and random streams, built as
-    run_processes builds a run alone), trained together by one batched update (seeds.py). A
-    rerun resumes every seed; one that finished its --steps waits for the others."""
-    if config.compile == "auto":  # the batched update runs eager (seeds.check)
-        config = config.replace(compile=False)
-    torch.set_float32_matmul_precision("high")
-    launch.keep_freed_memory()
-    trainers, agents, generators, seed_envs, locks, settled = [], [], [], [], [], None
-    try:
-        for k in range(config.seeds):
-            own_dir = logdir / f"seed{k}"
-            own = config.replace(seed=config.seed + k, logdir=str(own_dir))
-            if k == 0 and (own_dir / "config.yaml").exists():
-                changed = cfg.compare_saved_config(own, own_dir / "config.yaml")
-            try:
-                locks.append(storage.lock_logdir(own_dir) if own_dir.is_dir() else None)
-            except storage.LogdirBusy as e:
-                cfg.fail(str(e))
-            launch.seed_everything(own.seed, own.deterministic_run)
-            try:
-                if settled is None:  # --envs and --parallel auto: measured once, for every seed
-                    sizing = resources.Resources(own, own_dir, Dreamer)
-                    settled = sizing.settle()
-                own = own.replace(envs=settled.envs, parallel=settled.parallel)
-                seed_envs.append([])  # each seed's thread closes its own: a rendering context is bound to it
-                train_envs = parallel.make_envs(own, "train", own.envs, 0, sizing.weights(), sizing.processes())
-                seed_envs[-1] += train_envs
-                eval_count = min(max(own.envs // len(envs.parse_tasks(own.task)), 1), own.eval_episode_num)
-                eval_envs = parallel.make_envs(own, "eval", eval_count) if eval_count else []
-                seed_envs[-1] += eval_envs
-                env = train_envs[0]
-                own, resolved = compilation.resolve_auto(own, env.act_space, env.obs_space)
-                check_memory(own, env.obs_space, env.act_space)
-                agent = Dreamer(env.obs_space, env.act_space, own).to(own.device)
-            except (tools.ConfigError, envs.TaskError, ImportError, parallel.WorkerError) as e:
-                cfg.fail(str(e).strip().splitlines()[-1])
-            generators.append(seeds.seed_generator(own.device))  # where this seed alone would draw on from
-            try:
-                with distributions.generator(generators[-1]):  # a resumed seed's random state is its own
-                    trainer = Trainer(own, agent, own_dir, train_envs, eval_envs, ranks)
-            except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
-                cfg.fail(str(e))
-            own_dir.mkdir(parents=True, exist_ok=True)
-            locks[-1] = locks[-1] or storage.lock_logdir(own_dir)
-            trainers.append(trainer)
-            agents.append(agent)
-        batched = seeds.BatchedUpdate(agents, generators)
-        for k, trainer in enumerate(trainers):
-            trainer.learner = seeds.SeedLearner(batched, k)
-        first = trainers[0]
-        spec = {**storage.episode_spec(env.obs_space, env.act_space), **agents[0].context.spec}
-        print(cfg.summary(first.config, agents[0], device_note, first.frames if first.resumed else None, ranks,
-                          sizing.weights(), resolved, spec), flush=True)
-        for line in [*sizing.lines, seeds.cost_line(agents[0], first.config, spec)]:
-            print(line, flush=True)
-        for line in changed:
-            print(f"warning: differs from the saved config: {line}", flush=True)
-        for line in models.ignored_keys(first.config):
-            print(f"warning: {line}", flush=True)
-        for k, trainer in enumerate(trainers):
-            for line in trainer.notes:
-                print(f"seed{k}: {line}", flush=True)
-            if not trainer.done:
-                cfg.save_config(trainer.config, trainer.logdir / "config.yaml")
+def report_start(runs, sizing, device_note, changed, ranks):
+    """The start-up summary (config.summary), then what the sizing, the resume and the config's keys
+    have to say; each seed's config is saved in its logdir (main process)."""
+    first = runs[0]
+    trainer = first.trainer
+    print(cfg.summary(first.config, first.agent, device_note, trainer.frames if trainer.resumed else None, ranks,
+                      sizing.weights(), first.resolved, first.spec), flush=True)
+    lines = [*sizing.lines, seeds.cost_line(first.agent, first.config, first.spec)] if len(runs) > 1 else sizing.lines
+    for line in lines:
+        print(line, flush=True)
+    for k, run in enumerate(runs):
+        for line in run.trainer.notes:
+            print(f"seed{k}: {line}" if len(runs) > 1 else line, flush=True)
+    for line in changed:
+        print(f"warning: differs from the saved config: {line}", flush=True)
+    for line in models.ignored_keys(first.config):  # keys the update mode reads nowhere
+        print(f"warning: {line}", flush=True)
+    if ranks.is_main:
+        for run in runs:
+            if not run.trainer.done:
+                cfg.save_config(run.config, run.trainer.logdir / "config.yaml")
         sizing.save()
-        seeds.train_together(trainers, generators, batched, seed_envs)
-    finally:
-        for env in [env for own in seed_envs for env in own]:  # those no seed's thread closed
-            env.close()
 
 
 def check_memory(config, obs_space, act_space):
@@ -457,96 +452,56 @@ class Counters:
         self.policy_steps = 0
         self.updates = 0
         self.episodes = 0
-        self.stored_steps = 0  # policy steps in the training episode files when last saved
+        # Policy steps in the training episode files when last saved, and those of running episodes
+        # that their files will hold (parallel.Collector.unstored): a resume counts each step once.
+        self.stored_steps = 0
         self.completed = 0  # the --steps the run ended at (its last evaluation, log and save done); 0: not yet
 
 
 class Trainer:
-    """Owns a run's counters and schedules; `train()` is the loop, in the order it runs.
-
-    Its stored episodes and replay (storage.StoredEpisodes), checkpoint (storage.Checkpoints), logs
-    (logs.RunLog) and evaluation (logs.Evaluation) are components of their own, built from the
-    parts they read. Under torchrun (`ranks` a launch.Distributed) every process runs this loop in
-    lockstep with its own environments, replay and episode folder (rank k > 0: train_eps/rank<k>);
-    the counters and schedules are the same on all of them, so that each makes the same updates.
-    The main process alone logs, evaluates and writes the checkpoint, which holds every rank's
-    random state.
-    """
+    """Owns a run's counters and schedules; `train()` is the loop, in the order it runs. Its stored
+    episodes and checkpoint (`resume`), collection (collection.Collection), logs (logs.RunLog) and
+    evaluation (logs.Evaluation) are components of their own. Under torchrun every process runs this
+    loop in lockstep with its own environments, replay and episode folder (rank k > 0:
+    train_eps/rank<k>), with the same counters and schedules; the main process alone logs, evaluates
+    and writes the checkpoint, which holds every rank's random state."""
 
     def __init__(self, config, agent, logdir, train_envs, eval_envs, ranks=None):
         self.config, self.agent, self.logdir = config, agent, logdir
         # What takes the updates: the agent's own (models.Update), or its seed's share of one
-        # batched update of several seeds (seeds.SeedLearner, set by run_seeds).
-        self.learner = agent.update if agent is not None else None
-        self.ranks = ranks or launch.SingleProcess()
-        self.train_envs, self.eval_envs = train_envs, eval_envs
-        self.tasks = envs.parse_tasks(config.task)  # a stored step's `task` indexes this list
-        self.counters = Counters()
-        per_update = tools.replayed_per_update(config)
-        # Asynchronous collection: a limiter between the collector thread and the learner (train_asynchronously).
-        train = (tools.SamplesPerInsert(config.train_ratio, per_update, config.ratio_tolerance) if config.asynchronous
-                 else tools.Ratio(config.train_ratio, per_update))
-        self.schedules = {"train": train, "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
-        env = (train_envs or eval_envs or [None])[0]  # without one, stored episodes are taken on trust
-        stored = storage.StoredEpisodes(config, logdir, self.ranks.rank, env,
-                                        agent.context.spec if env is not None else {})
-        self.traindir, self.evaldir = stored.traindir, stored.evaldir
-        self.replay, self.eval_replay = stored.replay, stored.eval_replay
-        self.notes = [*stored.recovered, stored.note]  # lines for the start-up summary
-        length = config.batch_length + (agent.context.steps if agent is not None else 0)
-        if config.offline_traindir and not self.replay.ready(length):  # it would finish with no update
-            raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
-                                    f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
-        self.checkpoints = storage.Checkpoints(logdir / "latest.pt", config, agent, self.counters, self.schedules,
-                                               self.replay, self.ranks)
-        self.resumed, notes = self.checkpoints.resume(None if config.offline_traindir else self.traindir)
-        self.notes += notes
-        # Every rank counts the frames of the rank that stored the most (they differ only after a
-        # kill -9), so that all run the same number of iterations.
-        self.counters.policy_steps = self.ranks.max(self.counters.policy_steps)
-        self.finished = collections.deque()  # episodes the collector finished, not yet counted and logged
-        self.collector = (parallel.Collector(train_envs, self.replay, self.traindir, self.finished.append,
-                                             config.action_repeat, agent.context, config.chunk_size)
-                          if train_envs else None)
-        self.actor = self.actor_agent = self.synced = None  # asynchronous: the collector thread, from the loop on
-        # Checkpoints on the save_every clock, and stops under torchrun, agreed at the update boundary.
-        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt}, self.ranks.world_size > 1)
+        # batched update of several seeds (seeds.SeedLearner, set by run_processes).
+        self.learner, self.ranks, self.train_envs = agent.update, ranks or launch.SingleProcess(), train_envs
+        self.counters, self.schedules = Counters(), schedules(config)
+        stored, self.checkpoints, self.resumed, self.notes = resume(config, agent, logdir, self.ranks, self.counters,
+                                                                     self.schedules, train_envs or eval_envs)
+        self.stored, self.replay = stored, stored.replay  # stored episodes: their folders and replays
+        self.collection = collection.Collection(config, train_envs, self.replay, stored.traindir, agent.context,
+                                                self.counters)
+        # Checkpoints on the save_every clock, and stops at the next safe point (under torchrun agreed at
+        # the update boundary).
+        stops = launch.Stops({signal.SIGTERM: Interrupted, signal.SIGINT: KeyboardInterrupt})
         self.agreement = launch.Agreement(self.ranks, tools.Clock(config.save_every), stops)
         waits = ("learner_wait", "env_wait") if config.asynchronous else ()
         self.stopwatch = tools.Stopwatch(("learner", "env", *waits))
-        # The open-loop videos: the main process alone writes them, and they need an image decoder.
-        films = (agent is not None and self.ranks.is_main and config.video_pred_log
-                 and bool(agent.wm.heads["decoder"].cnn_shapes))
-        predict = (lambda data: agent.wm.video_pred(agent.wm.preprocess(data))) if films else None
-        self.run_log = logs.RunLog(config, logdir, self.counters, self.ranks, self.tasks, self.replay,
-                                   self.collector, self.checkpoints.kept, predict)
-        run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
-                                          self.evaldir) if eval_envs else None)
-        self.evaluation = logs.Evaluation(config, run_episodes, self.eval_replay, self.ranks.is_main, predict)
+        self.run_log, self.evaluation = reporting(config, agent, logdir, self.ranks, self.counters, stored,
+                                                  self.collection.collector, self.checkpoints.kept, eval_envs)
         self.first_calls = logs.FirstCalls("compile warm-up", lambda: self.progress.interactive)
+        self.final_return = None  # the last evaluation's mean return
 
-    @property
-    def frames(self):
-        return self.counters.policy_steps * self.config.action_repeat
+    frames = property(lambda self: self.counters.policy_steps * self.config.action_repeat)
+    progress = property(lambda self: self.run_log.progress)
 
     @property
     def done(self):
-        """A resumed run that completed its --steps already: a rerun has nothing to do (a larger --steps
-        continues it). `completed` holds the --steps that run ended at, so a checkpoint of an earlier,
-        smaller --steps is not taken as the end of this one, even with stored episodes counted past it."""
+        """A resumed run that completed its --steps (`completed`, so that a checkpoint of a smaller --steps
+        is not taken as the end of this one): a rerun has nothing to do, a larger --steps continues it."""
         return self.resumed and self.counters.completed >= self.config.steps and self.frames >= self.config.steps
 
     @functools.cached_property
     def feed(self):
         """The learner's replay batches (storage.Prefetcher), made at the first update."""
-        config = self.config
-        return storage.Prefetcher(self.replay, config.batch_size, config.batch_length + self.agent.context.steps,
-                                config.device)
-
-    progress = property(lambda self: self.run_log.progress)
-    evaluates = property(lambda self: self.evaluation.enabled)
-
-    # -- the loop -----------------------------------------------------------------------------------
+        c = self.config
+        return storage.Prefetcher(self.replay, c.batch_size, c.batch_length + self.agent.context.steps, c.device)
 
     def train(self):
         """Prefill and pretrain; then, until `steps` frames: count what was collected, evaluate, log and
@@ -554,12 +509,13 @@ class Trainer:
         Synchronous, the learner collects and trains in turn; asynchronous, a collector thread collects
         (`train_asynchronously`)."""
         self.run_log.open()
+        ended = False
         try:
-            with self.agreement.stops:  # under torchrun: a signal becomes a stop every rank agrees on
+            with self.agreement.stops:  # a signal becomes a request, acted on at the next safe point
                 if not self.resumed or not self.counters.updates:  # a stop in the prefill resumes it
                     prefill_and_pretrain(self)
                 if self.config.asynchronous:
-                    self.train_asynchronously()
+                    train_asynchronously(self)
                 else:  # the learner waits while the environments step and the environments while it trains
                     while self.frames < self.config.steps:
                         self.maintain()
@@ -571,62 +527,28 @@ class Trainer:
                 # run continued from here with more --steps does not do them again at this frame.
                 self.schedules["eval"](self.frames)
                 self.schedules["log"](self.frames)
-                if self.evaluates:
+                if self.evaluation.enabled:
                     self.evaluate()
                 self.log()
-                self.stop_collection()
+                self.collection.stop()
                 self.counters.completed = self.config.steps
                 self.save()
+            ended = True
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the progress; any other error keeps the last save
-            self.stop_collection()  # the collector stops first, so that the checkpoint is taken between two steps
-            self.save_on_interrupt()
+            self.collection.stop()  # the collector stops first, so that the checkpoint is taken between two steps
+            save_on_interrupt(self)
             raise
         except storage.WriteError as e:  # a full disk or a read-only logdir: one line, and what is kept
             raise storage.WriteError(e.path, e, self.checkpoints.kept()) from None
         finally:
-            self.stop_collection()  # after any other error too: no thread outlives the run
-            self.run_log.close()
-
-    def train_asynchronously(self):
-        """The learner trains in this thread while a collector thread (parallel.CollectorThread) steps
-        every environment under one batched call of a copy of the policy, refreshed every
-        `actor_sync_every` updates, and hands each step over through a queue: this thread alone
-        counts them (`count`). The limiter (tools.SamplesPerInsert) holds the train ratio within
-        `ratio_tolerance` updates: the learner waits when it runs ahead, the collector when the
-        learner falls behind. The collector thread uses one torch thread; the learner keeps its own
-        (README, Going faster)."""
-        config, limiter, env = self.config, self.schedules["train"], self.train_envs[0]
-        limiter.load_state_dict({"updates": limiter.updates, "inserts": self.counters.policy_steps})
-        self.actor_stream = launch.SideStream(config.device)  # on CUDA the actor's work has a stream of its own
-        self.actor_agent = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
-        self.actor_agent.to(config.device).requires_grad_(False)
-        self.actor = parallel.CollectorThread(self.collector, self.actor_policy, limiter, self.counters.policy_steps,
-                                              config.steps, self.stopwatch)
-        self.sync_actor()
-        print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
-              f"with 1, {len(self.train_envs)} environments; weights synced every {config.actor_sync_every} "
-              "updates", flush=True)
-        self.actor.start()
-        while not (self.actor.done.is_set() and not limiter.can_sample()):
-            self.maintain()
-            if self.actor.error is not None:
-                self.raise_actor_error()
-            with self.stopwatch.time("learner_wait"):
-                if not limiter.wait_sample(timeout=0.05):
-                    continue
-            with self.stopwatch.time("learner"):
-                self.update(1)
-            limiter.sampled()
-            if self.counters.updates - self.synced >= config.actor_sync_every:
-                self.sync_actor()
-        self.count()  # the steps handed over since the last maintain
-        if self.actor.error is not None:
-            self.raise_actor_error()
+            self.collection.stop()  # after any other error too: no thread outlives the run
+            self.run_log.close(quiet=not ended)  # the error that ends the run is raised once
 
     def maintain(self):
-        """Between two steps: count what was collected, evaluate, log and save when due."""
+        """Between two steps, the loop's safe point: count what was collected, evaluate, log and save
+        when due; stop when asked."""
         self.count()
-        evaluated = self.evaluates and self.schedules["eval"](self.frames)
+        evaluated = self.evaluation.enabled and self.schedules["eval"](self.frames)
         if evaluated:
             self.evaluate()
         self.progress.update(self.frames)
@@ -638,98 +560,34 @@ class Trainer:
             self.save()
         self.stop_if_asked()
 
-    # -- collecting and counting ----------------------------------------------------------------------
-
-    def collect(self, policy):
-        if self.collector is None:  # offline: time advances as if the agent were collecting
-            self.counters.policy_steps += max(1, self.config.envs)
-            return
-        try:
-            self.counters.policy_steps += self.collector.step(policy)
-        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
-            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
-            raise
-
-    def count(self):
-        """Count what collection handed over: the collector thread's steps (a synchronous step is counted
-        where it is taken, `collect`) and the episodes finished since the last count."""
-        if self.actor is not None:
-            for steps, episodes in self.actor.take():
-                self.counters.policy_steps += steps
-                self.finished.extend(episodes)
-        while self.finished:
-            episode = self.finished.popleft()
-            self.counters.episodes += 1
-            self.counters.stored_steps += len(episode["reward"]) - 1
-            self.run_log.add_episode(episode)
-
-    def mode(self, frames):
-        """The training policy's mode at `frames`: exploring until expl_until."""
-        config = self.config
-        explore = config.expl_behavior != "greedy" and (not config.expl_until or frames < config.expl_until)
-        return "explore" if explore else "train"
-
-    def policy(self, obs, state):
-        """The learner's training policy; with compile on, its first call (it compiles) is a phase."""
-        return self.announce_compilation("first policy step", self.agent.policy, obs, state, self.mode(self.frames))
-
-    def actor_policy(self, obs, state):
-        """The collector thread's: the agent's copy, at the frames that thread counted."""
-        with self.actor_stream():
-            return self.actor_agent.policy(obs, state, self.mode(self.actor.frames))
-
-    def sync_actor(self):
-        with self.actor.policy_lock, self.actor_stream.handover():
-            self.actor_agent.load_state_dict(self.agent.state_dict())
-        self.synced = self.counters.updates
-
-    def raise_actor_error(self):
-        """The collector thread's error, in the learner's thread; a ValueError as `collect` words it."""
-        error = self.actor.error
-        if isinstance(error, ValueError):  # its weights are the learner's, copied
-            self.raise_non_finite(error, f"in the actor's policy step at frame {self.frames}")
-        raise error
-
-    def stop_collection(self):
-        if self.actor is not None:
-            self.actor.close()
-
-    def raise_non_finite(self, error, where):
-        """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
-        that non-finite weights caused names their learners, a non-finite environment step says which
-        (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
-        agent = self.agent
-        learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
-        if agent.expl_behavior is not None:
-            learners["exploration"] = agent.expl_behavior
-        bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
-        kept = self.checkpoints.kept()
-        if bad:
-            raise storage.NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update "
-                                         f"{self.counters.updates}); the run stops without saving ({kept})") from None
-        if isinstance(error, parallel.NonFiniteStep):
-            raise storage.NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
-
-    # -- learning -------------------------------------------------------------------------------------
+    def policy(self, obs, state):  # the learner's training policy (compiling, its first call is a phase)
+        mode = policy_mode(self.config, self.frames)
+        return self.announce_compilation("first policy step", self.agent.policy, obs, state, mode)
 
     def announce_compilation(self, name, fn, *args):
         """fn(*args); with compile on, the first call of each kind (it compiles) is a phase of its own."""
         return self.first_calls(name, fn, *args) if self.agent.compiled else fn(*args)
 
+    def collect(self, policy):
+        try:
+            self.collection.step(policy)
+        except ValueError as e:  # parallel.NonFiniteStep, or torch.distributions refusing NaN parameters
+            self.raise_non_finite(e, f"in the policy step at frame {self.frames}")
+            raise
+
+    def count(self):
+        self.collection.count(self.run_log.add_episode)
+
     def update(self, count, phase=None):
-        config = self.config
-        # Every rank updates or none does: the updates average gradients over all of them.
-        context = self.agent.context
-        length = config.batch_length + context.steps  # the context steps only give the start latent
-        if not count or not self.agreement.settle(self.replay.ready(length)):
+        context = self.agent.context  # every rank updates or none does: the updates average gradients over all
+        if not count or not self.agreement.settle(self.replay.ready(self.config.batch_length + context.steps)):
             return
         train_step = self.learner.train_step  # with compile on, its first call (it compiles) is a phase
         for i in range(count):
             batch, ids, data = self.feed.next(more=i + 1 < count)  # the next batch is sampled during this update
             on_device = () if data is None else (data,)  # None on a CPU: train_step copies the batch
             try:
-                metrics, latents = (self.first_calls("first update", train_step, batch, *on_device)
-                                    if self.agent.compiled else train_step(batch, *on_device))  # models.Update
+                metrics, latents = self.announce_compilation("first update", train_step, batch, *on_device)
             except ValueError as e:  # torch.distributions refusing the NaN parameters of non-finite weights
                 self.raise_non_finite(e, f"at update {self.counters.updates + 1}")
                 raise
@@ -739,65 +597,168 @@ class Trainer:
                 phase.update(i + 1)
             self.run_log.record(metrics)
 
-    # -- logging, evaluating, saving ------------------------------------------------------------------
-
     def log(self):
         self.run_log.check_losses()
         self.count()
-        perf = {f"{name}_busy" if name in ("learner", "env") else name: value
-                for name, value in self.stopwatch.fractions().items()}
-        if self.actor is not None:
-            perf["policy_lag"] = self.counters.updates - self.synced
-        self.run_log.log(perf)
+        lag = self.counters.updates - self.collection.synced if self.collection.thread is not None else None
+        self.run_log.log(self.stopwatch.fractions(), lag)
 
     def evaluate(self):
         try:
-            mean_return = self.evaluation.run(self.run_log.logger)
+            mean_return = self.evaluation.run(self.run_log)
         except ValueError as e:  # as in collect
             self.raise_non_finite(e, f"in an evaluation at frame {self.frames}")
             raise
         if mean_return is not None:
+            self.final_return = mean_return  # the closing line's (logs.closing_line)
             self.progress.update(self.frames, eval_return=mean_return)
 
     def save(self):
         self.run_log.check_losses()
-        # Between two steps of the collector thread: counters, schedules and episodes on disk agree.
-        with self.actor.step_lock if self.actor is not None else contextlib.nullcontext():
+        with self.collection.between_steps():  # counters, schedules and episodes on disk agree
             self.count()
-            if self.agent is not None:
-                self.agent.context.flush()  # the last update's write-back, which a resumed run would not find
-            if self.collector is not None:  # chunks of running episodes too: what a kill -9 would leave
-                self.counters.stored_steps = storage.stored_steps(self.traindir)
+            self.agent.context.flush()  # the last update's write-back, which a resumed run would not find
+            if self.collection.collector is not None:
+                self.counters.stored_steps = self.collection.stored_steps()
             state = self.checkpoints.state()
         self.checkpoints.write(state)
         self.agreement.saved()
 
-    def save_on_interrupt(self):
-        if self.checkpoints.saved_at == (self.frames, self.counters.updates):  # a stop the ranks agreed on saved
-            return
-        if self.ranks.world_size > 1:
-            # A second signal: saving gathers from every rank, and each stopped at its own point.
-            print(f"Not saved: a second signal stops every rank at once ({self.checkpoints.kept()}).",
-                  file=sys.stderr, flush=True)
-            return
-        try:
-            self.save()
-        except (storage.NonFiniteError, storage.WriteError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-
     def stop_if_asked(self):
-        """Under torchrun: once the ranks agreed on a stop (Agreement), save together and end as the
-        signal would (Interrupted: exit 143, KeyboardInterrupt: 130)."""
+        """At a safe point: once a stop was asked for (under torchrun: agreed, Agreement), save and end as
+        the signal would (Interrupted: exit 143, KeyboardInterrupt: 130)."""
         if self.agreement.stop_code:
             self.save()
             raise self.agreement.stops.exception(self.agreement.stop_code)
+
+    def raise_non_finite(self, error, where):
+        raise_non_finite(self.agent, error, where, self.counters.updates, self.checkpoints.kept())
+
+
+def resume(config, agent, logdir, ranks, counters, schedules, env_list):
+    """The run's stored episodes (storage.StoredEpisodes: its replays; they fit the spaces of
+    env_list's first, or are taken on trust without one) and its checkpoint (storage.Checkpoints),
+    resumed from where there is one into `counters` and `schedules`. Returns (stored episodes,
+    checkpoints, whether it resumed, lines for the start-up summary)."""
+    stored = storage.StoredEpisodes(config, logdir, ranks.rank, (env_list or [None])[0], agent.context.spec)
+    length = config.batch_length + agent.context.steps
+    if config.offline_traindir and not stored.replay.ready(length):  # it would finish with no update
+        raise tools.ConfigError(f"Invalid value '{config.offline_traindir}' for --offline_traindir: its episodes "
+                                f"hold no sequence of {length} steps to train on ({stored.note[10:]})")
+    checkpoints = storage.Checkpoints(logdir / "latest.pt", config, agent, counters, schedules, stored.replay, ranks)
+    resumed, notes = checkpoints.resume(None if config.offline_traindir else stored.traindir)
+    # Every rank counts the frames of the rank that stored the most (they differ only after a
+    # kill -9), so that all run the same number of iterations.
+    counters.policy_steps = ranks.max(counters.policy_steps)
+    return stored, checkpoints, resumed, [*stored.recovered, stored.note, *notes]
+
+
+def schedules(config):
+    """The Trainer's schedules: the train ratio (asynchronous: a limiter between the collector thread
+    and the learner, tools.SamplesPerInsert), the log and the evaluation."""
+    per_update = tools.replayed_per_update(config)
+    train = (tools.SamplesPerInsert(config.train_ratio, per_update, config.ratio_tolerance) if config.asynchronous
+             else tools.Ratio(config.train_ratio, per_update))
+    return {"train": train, "log": tools.Every(config.log_every), "eval": tools.Every(config.eval_every)}
+
+
+def reporting(config, agent, logdir, ranks, counters, stored, collector, kept, eval_envs):
+    """The run's log (logs.RunLog) and evaluation (logs.Evaluation, on `eval_envs` into the stored
+    evaluation episodes), with the open-loop prediction videos where they are made: on the main
+    process alone, with an image decoder."""
+    films = ranks.is_main and config.video_pred_log and agent.wm.heads["decoder"].cnn_shapes
+    predict = (lambda data: agent.wm.video_pred(agent.wm.preprocess(data))) if films else None
+    run_log = logs.RunLog(config, logdir, counters, ranks, envs.parse_tasks(config.task), stored.replay, collector,
+                          kept, predict)
+    run_episodes = (functools.partial(parallel.run_episodes, agent, eval_envs, config.eval_episode_num,
+                                      stored.evaldir) if eval_envs else None)
+    return run_log, logs.Evaluation(config, run_episodes, stored.eval_replay, ranks.is_main, predict)
+
+
+def raise_non_finite(agent, error, where, updates, kept):
+    """The NonFiniteError line for a ValueError raised `where` (the update or the policy step): one
+    that non-finite weights caused names their learners, a non-finite environment step says which
+    (parallel.NonFiniteStep). Returns for any other ValueError: a bug, which keeps its traceback."""
+    learners = {"world model": agent.wm, "actor": agent.task_behavior.actor, "critic": agent.task_behavior.critic}
+    if agent.expl_behavior is not None:
+        learners["exploration"] = agent.expl_behavior
+    bad = [name for name, module in learners.items() if not tools.all_finite(list(module.parameters()))]
+    if bad:
+        raise storage.NonFiniteError(f"non-finite {' and '.join(bad)} weights {where} (after update {updates}); the "
+                                     f"run stops without saving ({kept})") from None
+    if isinstance(error, parallel.NonFiniteStep):
+        raise storage.NonFiniteError(f"{error} {where}; the run stops without saving ({kept})") from None
+
+
+def policy_mode(config, frames):
+    """The training policy's mode at `frames`: exploring until expl_until."""
+    explore = config.expl_behavior != "greedy" and (not config.expl_until or frames < config.expl_until)
+    return "explore" if explore else "train"
+
+
+def train_asynchronously(trainer):
+    """The loop of an asynchronous run: the learner trains in this thread while a collector thread
+    (collection.Collection.start) steps every environment under one batched call of a copy of the
+    policy, refreshed every `actor_sync_every` updates. The limiter (tools.SamplesPerInsert) holds
+    the train ratio within `ratio_tolerance` updates: the learner waits when it runs ahead, the
+    collector when the learner falls behind. The collector thread uses one torch thread; the learner
+    keeps its own (README, Going faster)."""
+    config, limiter, collecting = trainer.config, trainer.schedules["train"], trainer.collection
+    env = trainer.train_envs[0]
+    limiter.load_state_dict({"updates": limiter.updates, "inserts": trainer.counters.policy_steps})
+    actor = Dreamer(env.obs_space, env.act_space, config.replace(compile=False))  # never compiled
+    collecting.start(actor.to(config.device).requires_grad_(False), functools.partial(policy_mode, config), limiter,
+                     trainer.stopwatch)
+    collecting.sync(trainer.agent, trainer.counters.updates)
+    print(f"Asynchronous: learner on {config.device} with {torch.get_num_threads()} torch threads, actor thread "
+          f"with 1, {len(trainer.train_envs)} environments; weights synced every {config.actor_sync_every} "
+          "updates", flush=True)
+    collecting.thread.start()
+    while not (collecting.thread.done.is_set() and not limiter.can_sample()):
+        trainer.maintain()
+        raise_actor_error(trainer)
+        with trainer.stopwatch.time("learner_wait"):
+            if not limiter.wait_sample(timeout=0.05):
+                continue
+        with trainer.stopwatch.time("learner"):
+            trainer.update(1)
+        limiter.sampled()
+        if trainer.counters.updates - collecting.synced >= config.actor_sync_every:
+            collecting.sync(trainer.agent, trainer.counters.updates)
+    trainer.count()  # the steps handed over since the last maintain
+    raise_actor_error(trainer)
+
+
+def raise_actor_error(trainer):
+    """The collector thread's error, in the learner's thread; a ValueError as Trainer.collect words it."""
+    error = trainer.collection.thread.error
+    if isinstance(error, ValueError):  # its weights are the learner's, copied
+        trainer.raise_non_finite(error, f"in the actor's policy step at frame {trainer.frames}")
+    if error is not None:
+        raise error
+
+
+def save_on_interrupt(trainer):
+    """Ctrl-C or SIGTERM that ended the loop where it was (a deadline passed, a second signal): save
+    there, unless a stop at a safe point saved already."""
+    if trainer.checkpoints.saved_at == (trainer.frames, trainer.counters.updates):
+        return
+    if trainer.ranks.world_size > 1:
+        # A second signal: saving gathers from every rank, and each stopped at its own point.
+        print(f"Not saved: a second signal stops every rank at once ({trainer.checkpoints.kept()}).",
+              file=sys.stderr, flush=True)
+        return
+    try:
+        trainer.save()
+    except (storage.NonFiniteError, storage.WriteError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
 
 
 def prefill_and_pretrain(trainer):
     """Before the loop: the prefill (`PREFILLS[prefill_policy]`), then `pretrain` updates; the
     prefill's steps count as paid for, so that training starts at the train ratio."""
     config = trainer.config
-    if trainer.collector is not None:
+    if trainer.collection.collector is not None:
         PREFILLS[config.prefill_policy](trainer)
     if config.pretrain:
         with logs.Phase("pretrain", config.pretrain, "update", trainer.progress.interactive) as phase:

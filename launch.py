@@ -157,28 +157,48 @@ class Distributed(SingleProcess):
 
 
 class Stops:
-    """SIGTERM and Ctrl-C as a request to stop, for a run of several processes: every rank must stop
-    at the same update and save one checkpoint together, so the signal handler only notes the
-    request (`code`: 1 Ctrl-C, 2 SIGTERM) and `Agreement` exchanges it. A second signal, `repeat_after`
-    seconds or more after the first, stops at once (raises `exceptions[signal]()`). Signals closer
-    together are the same request: torchrun forwards the SIGTERM or Ctrl-C it gets to every worker,
-    and schedulers (SLURM) and terminals signal the whole group, so each worker gets one stop twice
-    within milliseconds. Handlers are installed for the `with` block (main thread only), and only
-    when `enabled`: a single process keeps the immediate KeyboardInterrupt path."""
+    """SIGTERM and Ctrl-C as a request to stop at the loop's next safe point: the handler only notes
+    the request (`code`: 1 Ctrl-C, 2 SIGTERM), and the loop ends there (Trainer.stop_if_asked) after
+    saving; under torchrun `Agreement` exchanges it first, so that every rank stops at the same update
+    and saves one checkpoint together. A handler that raised from inside whatever code was running
+    could land in a cleanup where Python discards the exception ("Exception ignored in ..."), and the
+    run would go on: a noted request is never lost.
+
+    A second signal `repeat_after` seconds or more after the first stops at once (raises
+    `exceptions[signal]()`); signals closer together are the same request (torchrun forwards the
+    SIGTERM or Ctrl-C it gets to every worker, and schedulers and terminals signal the whole group,
+    so each worker gets one stop twice within milliseconds). A loop that does not reach its safe
+    point within `deadline` seconds of the first signal (a long evaluation) is stopped as a second
+    signal would, again every second until it is: a raise that a cleanup swallowed comes back.
+    Handlers are installed for the `with` block (main thread only), and only when `enabled`."""
 
     CODES = {signal.SIGINT: 1, signal.SIGTERM: 2}  # exchanged by max: SIGTERM wins over Ctrl-C
 
-    def __init__(self, exceptions, enabled=True, repeat_after=2.0):
-        self.exceptions, self.enabled, self.repeat_after = exceptions, enabled, repeat_after
+    def __init__(self, exceptions, enabled=True, repeat_after=2.0, deadline=20.0):
+        self.exceptions, self.enabled, self.repeat_after, self.deadline = exceptions, enabled, repeat_after, deadline
         self.code, self.first, self.previous = 0, None, {}
+        self.signum, self.overdue, self.timer = None, False, None
 
     def handle(self, signum, frame):
         now = time.monotonic()
-        if self.code and now - self.first >= self.repeat_after:
+        if self.overdue or (self.code and now - self.first >= self.repeat_after):
             raise self.exceptions[signum]()
         if not self.code:
-            self.first = now
+            self.first, self.signum = now, signum
+            if self.deadline is not None and self.previous:
+                self.timer = threading.Timer(self.deadline, self.expire)
+                self.timer.daemon = True
+                self.timer.start()
         self.code = max(self.code, self.CODES[signum])
+
+    def expire(self):
+        """The deadline passed without a stop: the main thread gets the signal again, every second."""
+        self.overdue = True
+        while self.previous:
+            import _thread
+
+            _thread.interrupt_main(self.signum)
+            time.sleep(1.0)
 
     def exception(self, code):
         """The exception a stop agreed with `code` ends the run with (as its signal would)."""
@@ -190,9 +210,11 @@ class Stops:
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
+        previous, self.previous = self.previous, {}  # ends the deadline's repeats
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
-        self.previous = {}
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class Agreement:
@@ -205,13 +227,20 @@ class Agreement:
 
     def __init__(self, ranks, clock, stops):
         self.ranks, self.clock, self.stops = ranks, clock, stops
-        self.save_due, self.stop_code = False, 0
+        self.save_due, self.agreed_stop = False, 0
+
+    @property
+    def stop_code(self):
+        """The stop to act on: agreed at the last settle under torchrun; a single process reads its
+        own request at once, at any safe point, updates owed or not."""
+        own = self.stops.code if self.ranks.world_size == 1 else 0
+        return max(self.agreed_stop, own)
 
     def settle(self, ready):
         """Whether every rank is `ready`; notes a due save and a stop request, kept until acted on."""
         not_ready, due, stop = self.ranks.max_each([float(not ready), float(self.clock()), float(self.stops.code)])
         self.save_due = self.save_due or bool(due)
-        self.stop_code = max(self.stop_code, int(stop))
+        self.agreed_stop = max(self.agreed_stop, int(stop))
         return not not_ready
 
     def saved(self):

@@ -14,6 +14,7 @@ Nothing here knows about the world model: its open-loop predictions come as a ca
 
 import collections
 import datetime
+import functools
 import io
 import itertools
 import json
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 import envs
-from storage import NonFiniteError, atomic_write_bytes, strip_logs
+from storage import NonFiniteError, WriteError, atomic_write_bytes, strip_logs
 from tools import ConfigError, all_finite, replayed_per_update
 
 # ==================================================================================================
@@ -51,6 +52,15 @@ def _video_warning(name, error):
     warnings.warn(f"Could not write video {name}: {error}", stacklevel=3)
 
 
+def quiet_event_writer(args, default=threading.excepthook):
+    """threading.excepthook: the event writer's thread re-raises a failed write (a full disk), which
+    the next flush raises again in the run's thread, where it becomes one line (Logger); its own
+    traceback is not printed."""
+    if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+        return
+    default(args)
+
+
 class TensorBoardOutput:
     """Scalars, videos and text as TensorBoard events in the logdir."""
 
@@ -59,6 +69,10 @@ class TensorBoardOutput:
 
         # A resumed run continues its curves: events written after the checkpoint are dropped.
         self.writer = SummaryWriter(str(logdir), purge_step=step if step else None, max_queue=1000)
+        events = self.writer.file_writer.event_writer  # the file a failed write names (torch keeps it private)
+        self.path = pathlib.Path(getattr(events, "_file_name", None) or self.writer.file_writer.get_logdir())
+        if threading.excepthook is not quiet_event_writer:
+            threading.excepthook = functools.partial(quiet_event_writer, default=threading.excepthook)
 
     def write(self, step, scalars, videos):
         for name, value in scalars.items():
@@ -98,6 +112,7 @@ class JsonlOutput:
 
     def __init__(self, logdir, step, config):
         self.path = pathlib.Path(logdir) / "metrics.jsonl"
+        self.last = None  # the step of the last row kept: a resumed run writes no second row at it
         if not self.path.exists():
             return
         data = self.path.read_bytes()
@@ -115,6 +130,7 @@ class JsonlOutput:
                 continue
             if not step or row["step"] <= step:  # a resumed run drops what came after its checkpoint
                 keep.append(line.decode("utf-8"))
+                self.last = row["step"] if self.last is None else max(self.last, row["step"])
         text = "".join(line + "\n" for line in keep)
         if damaged:
             set_aside(self.path, text, damaged, problem)
@@ -122,9 +138,12 @@ class JsonlOutput:
             atomic_write_bytes(self.path, text.encode())
 
     def write(self, step, scalars, videos):
-        if scalars:
+        # A step logged already: a run resumed from an older checkpoint after a failed save reaches the
+        # frame of its last log again (its stored episodes count), and the first row stays the one.
+        if scalars and (self.last is None or step > self.last):
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, **scalars}) + "\n")
+            self.last = step
 
     def text(self, name, value, step):
         pass
@@ -155,6 +174,7 @@ class CsvOutput:
         self.csv = csv
         self.path = pathlib.Path(logdir) / "metrics.csv"
         self.columns, rows = ["step"], []
+        self.last = None  # as JsonlOutput's
         if self.path.exists():
             try:
                 with self.path.open(newline="") as f:
@@ -166,6 +186,7 @@ class CsvOutput:
                 self.columns, rows = ["step"], []
             good = [row for row in rows if _csv_step(row) is not None]
             kept = [row for row in good if not step or _csv_step(row) <= step]  # a resumed run drops what came after
+            self.last = max((_csv_step(row) for row in kept), default=None)
             if len(good) < len(rows):
                 self._rewrite(kept, damaged=len(rows) - len(good))
             elif len(kept) < len(rows):
@@ -182,8 +203,9 @@ class CsvOutput:
             atomic_write_bytes(self.path, buffer.getvalue().encode())
 
     def write(self, step, scalars, videos):
-        if not scalars:
+        if not scalars or (self.last is not None and step <= self.last):  # as JsonlOutput.write
             return
+        self.last = step
         row = {"step": step, **{name: repr(float(value)) for name, value in scalars.items()}}
         new = [name for name in row if name not in self.columns]
         if new or not self.path.exists():
@@ -300,8 +322,11 @@ class Logger:
     def __init__(self, logdir, step=0, outputs=("tensorboard", "jsonl"), config=None):
         check_loggers(list(outputs))
         self.logdir = pathlib.Path(logdir)
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        self.outputs = [LOGGERS[name](self.logdir, step, config) for name in dict.fromkeys(outputs)]
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            self.outputs = [LOGGERS[name](self.logdir, step, config) for name in dict.fromkeys(outputs)]
+        except OSError as e:  # WriteError included: as a write (guarded)
+            raise e if isinstance(e, WriteError) else WriteError(self.logdir, e) from None
         self.scalars = collections.defaultdict(list)
         self.videos = {}
 
@@ -316,19 +341,37 @@ class Logger:
         for name, items in self.scalars.items():
             values[name] = float(torch.as_tensor([float(v) for v in items], dtype=torch.float64).mean())
         videos = {name: video_frames(video) for name, video in self.videos.items()}
-        for output in self.outputs:
-            output.write(step, values, videos)
         self.scalars.clear()
         self.videos.clear()
+        for output in self.outputs:
+            self.guarded(output, output.write, step, values, videos)
         return values
 
     def text(self, name, value, step):
         for output in self.outputs:
-            output.text(name, value, step)
+            self.guarded(output, output.text, name, value, step)
 
     def close(self):
+        """Close every back end, the others too when one fails; then raise the first failure."""
+        failed = None
         for output in self.outputs:
-            output.close()
+            try:
+                self.guarded(output, output.close)
+            except WriteError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
+    @staticmethod
+    def guarded(output, call, *args):
+        """A back end's write fails as every file of the run does: storage.WriteError, naming its file
+        (one line in dreamer.main, with advice that fits the errno)."""
+        try:
+            return call(*args)
+        except WriteError:
+            raise
+        except OSError as e:
+            raise WriteError(getattr(output, "path", "the logdir"), e) from None
 
 
 class NullLogger:
@@ -364,7 +407,7 @@ class Progress:
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.total = total
         self.bar = tqdm(total=total, initial=initial, unit="frame", dynamic_ncols=True, disable=not self.interactive)
-        self.stats = {}
+        self.stats, self.eta = {}, None
 
     def update(self, frames, **stats):
         self.stats.update({k: v for k, v in stats.items() if v is not None})
@@ -377,9 +420,11 @@ class Progress:
         return f"{value:.0%}" if key.endswith("_busy") else f"{value:.1f}"
 
     def line(self, frames):
-        """The plain progress line: frames, rates, last returns and ETA."""
+        """The plain progress line: frames, rates, last returns and ETA (`eta` seconds where the run's log
+        set it, eta_seconds; else from the fps)."""
         fps = self.stats.get("fps", 0.0)
-        eta = datetime.timedelta(seconds=int(max(self.total - frames, 0) / fps)) if fps > 0 else "?"
+        left = self.eta if self.eta is not None else max(self.total - frames, 0) / fps if fps > 0 else None
+        eta = datetime.timedelta(seconds=int(max(left, 0))) if left is not None else "?"
         done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
         parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]
@@ -391,6 +436,15 @@ class Progress:
 
     def close(self):
         self.bar.close()
+
+
+def eta_seconds(frames_left, frames, seconds, evaluations):
+    """The seconds left: `frames_left` at the training pace of the last log (`frames` in `seconds` of
+    training, its evaluations' time left out), plus the evaluations still due (`evaluations`: their
+    seconds). a682c18 divided by the first log's fps, evaluation included: 10-50x too long."""
+    if frames <= 0 or seconds <= 0:
+        return None
+    return max(frames_left, 0) * seconds / frames + evaluations
 
 
 class Phase:
@@ -590,6 +644,14 @@ class RunLog:
         self.recent_episodes = []
         self.logger = self.progress = None  # made by open(), at the start of training
         self.last_log = (time.time(), counters.policy_steps, counters.updates)
+        # Evaluations: seconds since the last log, and in all with their count (the ETA's).
+        self.eval_seconds, self.eval_total, self.evaluations = 0.0, 0.0, 0
+
+    def evaluated(self, seconds):
+        """An evaluation took `seconds` (Evaluation.run): left out of the training pace, counted apart."""
+        self.eval_seconds += seconds
+        self.eval_total += seconds
+        self.evaluations += 1
 
     @property
     def frames(self):
@@ -602,9 +664,14 @@ class RunLog:
         self.logger.text("config", "```\n" + json.dumps(config.to_dict(), indent=2) + "\n```", self.frames)
         self.progress = Progress(config.steps, self.frames)
 
-    def close(self):
+    def close(self, quiet=False):
+        """`quiet`: the run ends on an error already, which a failing close must not replace."""
         self.progress.close()
-        self.logger.close()
+        try:
+            self.logger.close()
+        except WriteError:
+            if not quiet:
+                raise
 
     def record(self, metrics):
         for key, value in metrics.items():
@@ -621,9 +688,13 @@ class RunLog:
             self.logger.scalar(f"train/{task}/length", stats["length"])
         self.progress.update(self.frames, train_return=stats["return"])
 
-    def log(self, perf):
-        """Write the metrics since the last log, with `perf` ({name: fraction or count}: the learner's
-        and the environments' busy time and the loop's own figures) under perf/."""
+    def log(self, busy, policy_lag=None):
+        """Write the metrics since the last log, with the loop's own figures under perf/: `busy`
+        ({name: fraction}, tools.Stopwatch.fractions: the learner's and the environments' busy time,
+        and the waits), and the collector thread's `policy_lag` in updates (asynchronous)."""
+        perf = {f"{name}_busy" if name in ("learner", "env") else name: value for name, value in busy.items()}
+        if policy_lag is not None:
+            perf["policy_lag"] = policy_lag
         config, counters = self.config, self.counters
         now, steps, frames = time.time(), counters.policy_steps, self.frames
         for key, values in self.metrics.items():
@@ -651,8 +722,12 @@ class RunLog:
         self.logger.write(frames)
         self.progress.update(frames, fps=fps, updates_per_s=updates_per_s, learner_busy=perf["learner_busy"],
                              env_busy=perf["env_busy"])
+        evals_left = max(config.steps - frames, 0) / config.eval_every if self.evaluations and config.eval_every else 0
+        self.progress.eta = eta_seconds(config.steps - frames, (steps - self.last_log[1]) * config.action_repeat,
+                                        seconds - self.eval_seconds,
+                                        evals_left * self.eval_total / max(self.evaluations, 1))
         self.progress.log(frames)
-        self.last_log = (now, steps, counters.updates)
+        self.last_log, self.eval_seconds = (now, steps, counters.updates), 0.0
 
     def log_task_frames(self, frames):
         """train/<task>/frames: each task's share of the frames, so that a run of several tasks can be
@@ -708,17 +783,38 @@ class Evaluation:
         """Whether the run evaluates (the same on every rank; only the main one has evaluation environments)."""
         return self.config.eval_episode_num > 0 and (self.run_episodes is not None or not self.is_main)
 
-    def run(self, logger):
-        """The episodes, logged; returns their mean return (None on another rank than the main one,
-        which waits at the save that follows)."""
+    def run(self, run_log):
+        """The episodes, logged to `run_log` (RunLog, which gets their time apart: RunLog.evaluated);
+        returns their mean return (None on another rank than the main one, which waits at the save
+        that follows)."""
         if self.run_episodes is None:
             return None
+        start, logger = time.time(), run_log.logger
         episodes = self.run_episodes()
         for episode in episodes:
             self.replay.add_episode(strip_logs(episode))
         returns = log_evaluation(logger, episodes, self.config)
         film_predictions(logger, "eval/openl", self.predict, self.replay, self.config.batch_length)
+        run_log.evaluated(time.time() - start)
         return float(np.mean(returns))
+
+
+def closing_line(runs, logdir, seconds):
+    """What a finished run prints last: each run's (frames, final evaluation return or None, logdir)
+    of `runs`, the wall time, and the commands that read its results (`logdir`: the run's --logdir,
+    which holds every seed's folder under --seeds)."""
+    frames = " and ".join(sorted({f"{f:,}" for f, _, _ in runs}))
+    returns = [r for _, r, _ in runs if r is not None]
+    if not returns:
+        result = "no evaluation (--eval_episode_num 0)"
+    elif len(runs) == 1:
+        result = f"final evaluation return {returns[0]:.1f}"
+    else:
+        result = "final evaluation returns " + ", ".join("-" if r is None else f"{r:.1f}" for _, r, _ in runs)
+    runs_at = " ".join(str(d) for _, _, d in runs)
+    return (f"Finished: {frames} frames in {datetime.timedelta(seconds=int(seconds))}, {result}; results in "
+            f"{logdir}\nNext: tensorboard --logdir {logdir} | the same command with --eval_only True "
+            f"--eval_episode_num 10 | python3 benchmarks/plot.py {runs_at}")
 
 
 def write_eval_only(out, episodes, frame, tasks):

@@ -587,6 +587,14 @@ class Collector:
         self.env_returns[index] = float(episode["reward"].sum())
         self.on_episode(episode)
 
+    def unstored(self):
+        """Policy steps taken but in no episode file yet: each running episode's steps after its last
+        chunk (its first step, the reset, is no policy step); a checkpoint counts them as stored, so
+        that a resume counts them once, when their file appears (storage.Checkpoints.resume)."""
+        if self.writers is None:
+            return 0
+        return sum(len(steps) - max(writer.written, 1) for steps, writer in zip(self.episodes, self.writers) if steps)
+
     def step_costs(self):
         """(seconds inside env.step, steps) per environment, as counted where each one runs."""
         return [(getattr(env, "step_seconds", 0.0), getattr(env, "step_count", 0)) for env in self.envs]

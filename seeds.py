@@ -363,23 +363,29 @@ def cost_line(agent, config, spec):
 
 
 class SeedOutput:
-    """sys.stdout while the seeds train: each line a seed's thread prints starts with its name."""
+    """sys.stdout while the seeds train: each line a seed's thread prints starts with its name. A
+    seed's line is written whole, once it ends: print writes its text and its newline in two calls,
+    between which another seed's thread may write (which glued two seeds' lines into one)."""
 
     def __init__(self, stream):
-        self.stream, self.lock, self.fresh = stream, threading.Lock(), {}
+        self.stream, self.lock, self.pending = stream, threading.Lock(), {}
 
     def write(self, text):
         name = threading.current_thread().name
         if not name.startswith("seed"):
             return self.stream.write(text)
         with self.lock:
-            out = []
-            for part in text.splitlines(keepends=True):
-                if self.fresh.get(name, True):
-                    out.append(f"{name}: ")
-                out.append(part)
-                self.fresh[name] = part.endswith(("\n", "\r"))
-            return self.stream.write("".join(out))
+            parts = (self.pending.pop(name, "") + text).splitlines(keepends=True)
+            if parts and not parts[-1].endswith(("\n", "\r")):
+                self.pending[name] = parts.pop()
+            self.stream.write("".join(f"{name}: {part}" for part in parts))
+        return len(text)
+
+    def finish(self):
+        """Write what a seed left without an end of line."""
+        with self.lock:
+            self.stream.write("".join(f"{name}: {part}\n" for name, part in self.pending.items()))
+            self.pending.clear()
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
@@ -427,7 +433,8 @@ def train_together(trainers, generators, batched, environments):
 
     threads = [threading.Thread(target=run, args=(k,), name=f"seed{k}", daemon=True) for k in range(len(trainers))]
     signalled = None
-    stdout, sys.stdout = sys.stdout, SeedOutput(sys.stdout)
+    stdout = sys.stdout
+    sys.stdout = output = SeedOutput(stdout)
     try:
         for thread in threads:
             thread.start()
@@ -441,6 +448,7 @@ def train_together(trainers, generators, batched, environments):
                 signalled = signalled or e
                 stop_all(stop_code(trainers[0].agreement.stops, e))
     finally:
+        output.finish()
         sys.stdout = stdout
     if signalled is not None:
         raise signalled

@@ -57,11 +57,17 @@ class WriteError(OSError):
         note = f"; {self.note}" if self.note else ""
         return f"cannot write {self.path}: {self.strerror} (errno {self.errno}){note}"
 
+    # What to do, by errno; anything else: the system's own words, in the message, say it.
+    HINTS = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the disk quota",
+             errno.EFBIG: "raise the file-size limit (ulimit -f) or use a file system that takes larger files",
+             errno.EACCES: "make it writable", errno.EPERM: "make it writable",
+             errno.EROFS: "the file system is read-only: remount it writable or use another --logdir",
+             errno.ENAMETOOLONG: "use a shorter --logdir", errno.EIO: "check the disk (an I/O error)"}
+
     @property
     def hint(self):
-        """What to do about it."""
-        full = self.errno in (errno.ENOSPC, errno.EDQUOT)
-        return f"{'free space' if full else 'make it writable'} and rerun to resume"
+        """What to do about it, fitting its errno."""
+        return f"{self.HINTS.get(self.errno, 'fix the cause')} and rerun to resume"
 
 
 def temp_path(path):
@@ -1179,7 +1185,7 @@ def _unsafe_globals(found):
     return sorted({name for name in found if name not in allowed})
 
 
-def load_checkpoint(path, device="cpu", keys=()):
+def load_checkpoint(path, device="cpu", keys=(), mmap=False):
     """Load a checkpoint without running code from it (`weights_only`: tensors and plain data).
 
     Raises CheckpointError with the reason in one line: `unsafe` set for a file that asks to call
@@ -1190,7 +1196,7 @@ def load_checkpoint(path, device="cpu", keys=()):
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location=device, weights_only=True)
+            state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         reason = _torch_reason(e)
         found, complete = pickle_globals(path)
@@ -1211,7 +1217,7 @@ def load_checkpoint(path, device="cpu", keys=()):
     return state
 
 
-def load_checkpoint_or_previous(path, device="cpu", keys=()):
+def load_checkpoint_or_previous(path, device="cpu", keys=(), mmap=False):
     """(state, path it came from, notes) from `path`, or from previous.pt when `path` is missing,
     damaged (load_checkpoint, with `keys`) or non-finite; (None, None, notes) when neither exists.
     Reads only: a run beside training (--eval_only) uses it too.
@@ -1225,10 +1231,12 @@ def load_checkpoint_or_previous(path, device="cpu", keys=()):
                 notes.append(f"{path} is missing")
             continue
         try:
-            state = load_checkpoint(candidate, device, keys)
+            state = load_checkpoint(candidate, device, keys, mmap)
         except CheckpointError as e:
-            if e.unsafe:
-                raise
+            if e.unsafe:  # never skipped: someone changed a file of the run, which must not go unnoticed
+                then = " to resume from previous.pt" if candidate == path and previous_path(path).exists() else ""
+                raise CheckpointError(f"{e}. It is never skipped: move it out of the logdir (keep it to inspect) and "
+                                      f"rerun{then}", unsafe=True) from None
             notes.append(str(e))
             continue
         if not all_finite(state):
@@ -1238,7 +1246,9 @@ def load_checkpoint_or_previous(path, device="cpu", keys=()):
             notes.append(f"using the previous checkpoint {candidate}")
         return state, candidate, notes
     if notes:
-        raise CheckpointError("no usable checkpoint: " + "; ".join(notes))
+        raise CheckpointError("no usable checkpoint: " + "; ".join(notes) + f". Move {path.name} and "
+                              f"{previous_path(path).name} out of {path.parent} to train from fresh weights (the "
+                              "stored episodes are kept and counted), or use another --logdir")
     return None, None, notes
 
 
@@ -1337,6 +1347,43 @@ def lock_logdir(logdir):
     return f
 
 
+class LogdirLock:
+    """The run's hold on `logdir` (lock_logdir), taken before anything in it is read or cleaned: the
+    folder is created first where it does not exist (a name the file system refuses is a ConfigError
+    of one line, before any environment is built), and `abandon()` removes it again, if this start
+    created it, when the run is refused before it wrote anything."""
+
+    def __init__(self, logdir):
+        self.logdir = pathlib.Path(logdir)
+        self.created = not self.logdir.exists()
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Invalid value '{logdir}' for --logdir: the folder cannot be created "
+                              f"({e.strerror or e}); choose a shorter or writable path") from None
+        self.file = lock_logdir(self.logdir)
+
+    def abandon(self):
+        self.file.close()
+        if self.created:
+            (self.logdir / "run.lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # something else was written there meanwhile: keep it
+                self.logdir.rmdir()
+
+
+def finished_frames(path, steps, action_repeat):
+    """The frames of a run whose checkpoint at `path` (or previous.pt) completed --steps `steps`
+    (counters.completed), read without building anything; None when it did not, or cannot be read
+    here (resuming says why)."""
+    try:
+        state, _, _ = load_checkpoint_or_previous(path, "cpu", ("counters",), mmap=True)
+    except CheckpointError:
+        return None
+    if state is None or state["counters"].get("completed", 0) < steps:
+        return None
+    return state["counters"]["policy_steps"] * action_repeat
+
+
 def check_fits(agent, saved, path):
     """A checkpoint whose tensors do not fit this config's model ends the run before anything loads."""
     current = agent.state_dict()
@@ -1397,9 +1444,16 @@ class StoredEpisodes:
         for episode in load_episodes(source, 100 * config.batch_length, spec, self.skip):
             self.eval_replay.add_episode(strip_logs(episode))
         self.note = f"Episodes: {loaded_steps} replay steps loaded, {self.skipped} files skipped"
+        if self.skipped == 1:
+            skip_warning(*self.first_skipped)
+        elif self.skipped:  # one line, not one per file (a logdir resumed with another suite's preset)
+            name, problem = self.first_skipped
+            print(f"warning: skipping {self.skipped} episode files that do not load or fit this run, the first "
+                  f"{name}: {problem}", file=sys.stderr, flush=True)
 
     def skip(self, filename, problem):
-        skip_warning(filename, problem)
+        if not self.skipped:
+            self.first_skipped = (filename, problem)
         self.skipped += 1
 
 
@@ -1488,6 +1542,9 @@ class Checkpoints:
         # chunk at the save, at most chunk_size per environment, may count twice).
         rank = ranks.rank
         saved = state["ranks"][rank - 1]["stored_steps"] if rank else state["counters"]["stored_steps"]
+        if traindir is not None and saved and not stored:
+            notes.append(f"WARNING: episode files missing: {traindir} holds none, and the checkpoint counted "
+                         f"{saved * config.action_repeat} frames of them (moved or deleted?); the replay starts empty")
         extra = stored - saved
         counters.stored_steps = stored
         if extra > 0:
@@ -1549,6 +1606,11 @@ class Checkpoints:
         reloaded; a line for the summary when some could not be placed."""
         rank = self.ranks.rank
         missed = self.replay.load_context_state((state["ranks"][rank - 1] if rank else state)["replay"])
-        return [f"WARNING: the replay's written-back latents and online queue of {missed} environment stream(s) "
-                "were not restored: the episode files do not hold their steps as saved (the files' latents, the "
-                "policy's, stand in)"] if missed else []
+        # What this run keeps beyond the files: the v1 update neither writes latents back nor queues.
+        kept = [name for name, used in (("written-back latents", bool(self.agent.context.spec)),
+                                        ("online queue", bool(self.config.replay_online))) if used]
+        if not missed or not kept:
+            return []
+        stand_in = " (the files' latents, the policy's, stand in)" if self.agent.context.spec else ""
+        return [f"WARNING: the replay's {' and '.join(kept)} of {missed} environment stream(s) were not restored: "
+                f"the episode files do not hold their steps as saved{stand_in}"]

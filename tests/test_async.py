@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import collection  # noqa: E402
 import dreamer  # noqa: E402
 import parallel  # noqa: E402
 import storage  # noqa: E402
@@ -118,7 +119,7 @@ def async_run(tmp_path_factory):
     seen = {"records": collections.defaultdict(list), "limiter": [], "syncs": []}
     record = parallel.Collector._record
     sampled, inserted = tools.SamplesPerInsert.sampled, tools.SamplesPerInsert.inserted
-    train, sync = dreamer.Trainer.train, dreamer.Trainer.sync_actor
+    train, sync = dreamer.Trainer.train, collection.Collection.sync
 
     def recording(self, index, obs, action, reward):
         record(self, index, obs, action, reward)
@@ -136,8 +137,8 @@ def async_run(tmp_path_factory):
         patch.setattr(tools.SamplesPerInsert, "sampled", count(sampled))
         patch.setattr(tools.SamplesPerInsert, "inserted", count(inserted))
         patch.setattr(dreamer.Trainer, "train", lambda self: (seen.update(trainer=self), train(self))[1])
-        patch.setattr(dreamer.Trainer, "sync_actor",
-                      lambda self: (seen["syncs"].append(self.counters.updates), sync(self))[1])
+        patch.setattr(collection.Collection, "sync",
+                      lambda self, agent, updates: (seen["syncs"].append(updates), sync(self, agent, updates))[1])
         dreamer.main([*DEBUG, "--logdir", str(logdir), "--steps", "200", "--envs", "2", "--ratio_tolerance", "2",
                       "--actor_sync_every", "3"])
     return logdir, seen
@@ -181,7 +182,7 @@ def test_async_run_logs_the_ratio_utilisation_waits_and_policy_lag(async_run):
     assert len(syncs) > 3 and all(b - a == 3 for a, b in zip(syncs[1:], syncs[2:]))
     assert all(row["perf/policy_lag"] < 3 for row in rows if "perf/policy_lag" in row)
     trainer = seen["trainer"]
-    assert not trainer.actor.thread.is_alive()
+    assert not trainer.collection.thread.thread.is_alive()
     state = torch.load(logdir / "latest.pt", weights_only=False)
     assert state["schedules"]["train"] == trainer.schedules["train"].state_dict()
     assert state["counters"]["policy_steps"] == state["schedules"]["train"]["inserts"] == 100

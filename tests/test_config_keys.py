@@ -523,6 +523,14 @@ def write_episodes(directory, rewards, length=10):
                                        "x": np.full((length, 2), value, np.float32)})
 
 
+def trainer_of(config, logdir):
+    """A Trainer with no environments (the stored episodes are taken on trust), of a real agent whose
+    spaces are those of the episodes write_episodes stores."""
+    obs_space = {"x": gymnasium.spaces.Box(-np.inf, np.inf, (2,), np.float32)}
+    agent = dreamer.Dreamer(obs_space, gymnasium.spaces.Box(-1, 1, (1,), np.float32), config)
+    return dreamer.Trainer(config, agent, logdir, [], [])
+
+
 def stream_rewards(replay):
     stream = replay.streams[0]
     return stream.data["reward"][stream.indices(np.array([0]), len(stream))[0]].tolist()
@@ -532,7 +540,7 @@ def stream_rewards(replay):
 def test_dataset_size_caps_the_replay_and_drops_the_oldest_steps(tmp_path, size):
     write_episodes(tmp_path / "train_eps", [0, 1, 2, 3])
     config = make_config("--dataset_size", str(size))
-    trainer = dreamer.Trainer(config, None, tmp_path, [], [])
+    trainer = trainer_of(config, tmp_path)
     if size == 25:  # the newest episodes that fit: 2 and 3
         assert stream_rewards(trainer.replay) == [2] * 10 + [3] * 10
     else:
@@ -548,13 +556,13 @@ def test_dataset_size_caps_the_replay_and_drops_the_oldest_steps(tmp_path, size)
 def test_offline_evaldir_replaces_the_eval_episodes_for_open_loop_videos(tmp_path):
     write_episodes(tmp_path / "eval_eps", [5, 5])
     write_episodes(tmp_path / "offline", [7, 7, 7])
-    own = dreamer.Trainer(make_config(), None, tmp_path, [], [])
-    assert stream_rewards(own.eval_replay) == [5] * 20
+    own = trainer_of(make_config(), tmp_path)
+    assert stream_rewards(own.stored.eval_replay) == [5] * 20
     config = make_config("--offline_evaldir", str(tmp_path / "offline"))
-    trainer = dreamer.Trainer(config, None, tmp_path, [], [])
-    assert stream_rewards(trainer.eval_replay) == [7] * 30
-    assert trainer.evaldir == tmp_path / "eval_eps"  # new evaluation episodes still go to the run's folder
-    assert (trainer.eval_replay.sample(6, config.batch_length)["reward"] == 7).all()  # what eval/openl shows
+    trainer = trainer_of(config, tmp_path)
+    assert stream_rewards(trainer.stored.eval_replay) == [7] * 30
+    assert trainer.stored.evaldir == tmp_path / "eval_eps"  # new evaluation episodes still go to the run's folder
+    assert (trainer.stored.eval_replay.sample(6, config.batch_length)["reward"] == 7).all()  # what eval/openl shows
 
 
 def test_episode_folders_expand_home_like_logdir(tmp_path, monkeypatch):
@@ -565,9 +573,9 @@ def test_episode_folders_expand_home_like_logdir(tmp_path, monkeypatch):
     write_episodes(tmp_path / "offline_eval", [2])
     config = make_config("--traindir", "~/train", "--evaldir", "~/eval", "--offline_traindir", "~/offline_train",
                          "--offline_evaldir", "~/offline_eval")
-    trainer = dreamer.Trainer(config, None, tmp_path / "run", [], [])
-    assert (trainer.traindir, trainer.evaldir) == (tmp_path / "train", tmp_path / "eval")
-    assert len(trainer.replay) == 20 and len(trainer.eval_replay) == 10
+    trainer = trainer_of(config, tmp_path / "run")
+    assert (trainer.stored.traindir, trainer.stored.evaldir) == (tmp_path / "train", tmp_path / "eval")
+    assert len(trainer.replay) == 20 and len(trainer.stored.eval_replay) == 10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,9 +602,9 @@ def test_env_failure_decides_whether_parallel_workers_restart(failure, restart):
 
 
 def test_asynchronous_chooses_the_train_schedule_and_the_waits_it_times(tmp_path):
-    sync = dreamer.Trainer(make_config(), None, tmp_path / "a", [], [])
+    sync = trainer_of(make_config(), tmp_path / "a")
     assert type(sync.schedules["train"]) is tools.Ratio and set(sync.stopwatch.fractions()) == {"learner", "env"}
-    trainer = dreamer.Trainer(make_config("--asynchronous"), None, tmp_path / "b", [], [])
+    trainer = trainer_of(make_config("--asynchronous"), tmp_path / "b")
     assert type(trainer.schedules["train"]) is tools.SamplesPerInsert and trainer.schedules["train"].ratio == 32
     assert set(trainer.stopwatch.fractions()) == {"learner", "env", "learner_wait", "env_wait"}
 
@@ -604,13 +612,13 @@ def test_asynchronous_chooses_the_train_schedule_and_the_waits_it_times(tmp_path
 @pytest.mark.parametrize("tolerance", [1, 5])
 def test_ratio_tolerance_is_how_far_the_learner_may_run_ahead_or_behind(tmp_path, tolerance):
     config = make_config("--asynchronous", "--ratio_tolerance", str(tolerance))
-    limiter = dreamer.Trainer(config, None, tmp_path, [], []).schedules["train"]
+    limiter = trainer_of(config, tmp_path).schedules["train"]
     ahead = 0
     while limiter.can_sample():  # no steps inserted yet: updates on credit only
         limiter.sampled()
         ahead += 1
     assert ahead == tolerance and limiter.can_insert()
-    behind = dreamer.Trainer(config, None, tmp_path, [], []).schedules["train"]
+    behind = trainer_of(config, tmp_path).schedules["train"]
     steps_per_update = config.batch_size * config.batch_length // config.train_ratio  # 200 / 32 -> 6.25
     behind.inserted(int(tolerance * steps_per_update) + 6)  # owed: just over `tolerance` updates, none made
     assert not behind.can_insert() and behind.can_sample()

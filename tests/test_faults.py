@@ -125,16 +125,23 @@ def test_progress_of_steps_0_and_past_the_end_reads_100_percent():
 # -- 10. a finished run's rerun ------------------------------------------------------------------------
 
 
-def test_rerunning_a_finished_run_says_so_and_changes_nothing(run_copy, capsys):
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(run_copy, capsys, monkeypatch):
     before = snapshot(run_copy)
+    made = []  # a682c18 started the environment workers before it said there was nothing to do
+    monkeypatch.setattr(parallel, "make_envs", lambda *args, **kwargs: made.append(args) or [])
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "40")
-    assert code == 0 and err == "", err
+    monkeypatch.undo()
+    assert code == 0 and err == "" and made == [], err
     assert f"Run finished: {run_copy} completed 40 frames of --steps 40; nothing to do" in out
     assert snapshot(run_copy) == before  # no metrics row, events file, config, previous.pt or latest.pt
     assert not (run_copy / "previous.pt").exists()
     code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "60")  # more steps: it continues
     assert code == 0 and "Run: resumed from frame 40" in out, err
     assert storage.load_checkpoint(run_copy / "latest.pt")["counters"]["policy_steps"] * 2 == 60
+    # The closing line (a682c18 ended on its last status line): where the results are, what to run next.
+    assert re.search(r"^Finished: 60 frames in \d+:\d\d:\d\d, no evaluation \(--eval_episode_num 0\); results in "
+                     f"{re.escape(str(run_copy))}\nNext: tensorboard --logdir {re.escape(str(run_copy))} \\| ",
+                     out, re.M), out[-500:]
 
 
 # -- 7. non-finite values: the promised line ----------------------------------------------------------

@@ -207,6 +207,44 @@ def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_onc
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_a_burst_of_signals_is_one_request_that_no_cleanup_can_swallow():
+    """a682c18's single process raised from the handler wherever the main thread was: two SIGTERMs
+    0.05 s apart landed in a video writer's cleanup, Python discarded the exception ("Exception
+    ignored in ...") and the run went on to its end. Now the handler only notes the request."""
+    class Cleanup:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside a finaliser
+
+    stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, deadline=None)
+    with stops:
+        for _ in range(5):
+            os.kill(os.getpid(), signal.SIGTERM)
+            Cleanup()  # collected at once: its signal arrives while Python ignores exceptions
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stops.code == 2  # one request, kept: SIGTERM wins
+
+
+def test_a_loop_that_misses_its_safe_point_is_stopped_at_the_deadline_again_until_it_stops():
+    stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, deadline=0.2)
+    raised, start = 0, time.monotonic()
+    with stops:
+        os.kill(os.getpid(), signal.SIGTERM)
+        while raised < 2 and time.monotonic() - start < 10:
+            try:
+                time.sleep(0.05)  # a long evaluation that never reaches the loop's safe point
+            except Term:
+                raised += 1  # the first is swallowed, as a cleanup would: it comes back
+    assert raised == 2 and stops.code == 2
+
+
+def test_a_single_process_acts_on_its_stop_at_any_safe_point_without_a_settle():
+    stops = launch.Stops({}, enabled=False)
+    agreement = launch.Agreement(launch.SingleProcess(), tools.Clock(10), stops)
+    stops.code = 2  # noted by the handler; no update (and so no settle) since
+    assert agreement.stop_code == 2
+
+
 class Ranks(launch.SingleProcess):
     """A stand-in for the other ranks: each collective takes the maximum with their `values`."""
 
@@ -261,7 +299,10 @@ def test_a_failed_write_names_the_file_leaves_it_untouched_and_no_temporary_behi
     assert storage.load_checkpoint(path)["step"] == 1 and not storage.previous_path(path).exists()
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["latest.pt"]
     readonly = storage.WriteError(path, OSError(errno.EROFS, os.strerror(errno.EROFS)))
-    assert readonly.hint == "make it writable and rerun to resume"
+    assert readonly.hint == ("the file system is read-only: remount it writable or use another --logdir and rerun "
+                             "to resume")
+    denied = storage.WriteError(path, OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    assert denied.hint == "make it writable and rerun to resume"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -322,6 +322,16 @@ def test_a_missing_checkpoint_beside_episodes_is_said_loudly(run_copy):
     trainer.train_envs[0].close()
 
 
+def test_an_emptied_episode_folder_is_named_as_missing(run_copy):
+    """a682c18 resumed with an empty replay without a word."""
+    for path in (run_copy / "train_eps").glob("*.npz"):
+        path.unlink()
+    trainer = trainer_for(run_copy)
+    assert any(note.startswith(f"WARNING: episode files missing: {run_copy / 'train_eps'} holds none, and the "
+                               "checkpoint counted 40 frames") for note in trainer.notes), trainer.notes
+    trainer.train_envs[0].close()
+
+
 def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
     """What cluster schedulers send before a kill; its own process, since the handler is the point."""
     logdir = tmp_path / "run"
@@ -339,6 +349,27 @@ def test_sigterm_saves_and_ends_without_a_traceback(tmp_path):
     assert err.strip().splitlines() == ["Stopped by SIGTERM; rerun the same command to resume."]
     state = storage.load_checkpoint(logdir / "latest.pt")
     assert state["counters"]["policy_steps"] >= 10 and state["counters"]["stored_steps"] >= 10
+
+
+def test_a_burst_of_sigterms_saves_once_and_ends_with_one_line(tmp_path):
+    """Five SIGTERMs 0.02 s apart, as a scheduler and a wrapper script may send them: a682c18 raised
+    from the handler wherever the main thread was, and a raise that landed in a cleanup was lost
+    (the run went on and exited 0). Now each only notes the request: one save, one line, exit 143."""
+    logdir = tmp_path / "run"
+    env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"), OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, str(ROOT / "dreamer.py"), *SHORT, "--time_limit", "20", "--logdir",
+                                str(logdir), "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((logdir / "train_eps").glob("*.npz")):
+        time.sleep(0.2)
+    for _ in range(5):
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert err.strip().splitlines() == ["Stopped by SIGTERM; rerun the same command to resume."]
+    assert storage.load_checkpoint(logdir / "latest.pt")["counters"]["policy_steps"] >= 10
 
 
 def test_ctrl_c_saves_and_ends_without_a_traceback(run_copy, capsys, monkeypatch):
