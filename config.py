@@ -68,7 +68,8 @@ def load_presets(path=None):
         raise tools.ConfigError(f"{path.name}: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
     yaml = YAML(typ="safe", pure=True)
     try:
-        presets, root = yaml.load(text), yaml.compose(text)
+        root = yaml.compose(text)  # the nodes know their lines; built into values once
+        presets = yaml.constructor.construct_document(root) if root is not None else None
     except MarkedYAMLError as e:
         raise tools.ConfigError(yaml_error(path.name, e)) from None
     except YAMLError as e:

@@ -379,7 +379,10 @@ class Progress:
     def line(self, frames):
         """The plain progress line: frames, rates, last returns and ETA."""
         fps = self.stats.get("fps", 0.0)
-        eta = datetime.timedelta(seconds=int(max(self.total - frames, 0) / fps)) if fps > 0 else "?"
+        # capped at what a timedelta holds: a long --steps at a slow first rate would overflow it
+        most = datetime.timedelta.max // datetime.timedelta(seconds=1)
+        seconds = min(max(self.total - frames, 0) / fps, most) if fps > 0 else 0
+        eta = datetime.timedelta(seconds=int(seconds)) if fps > 0 else "?"
         done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
         parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]

@@ -290,6 +290,15 @@ def test_steps_beyond_what_a_counter_holds_are_refused_at_start(tmp_path, capsys
     assert cfg.parse(["--steps", str(2**53)]).steps == 2**53
 
 
+def test_the_largest_steps_accepted_prints_its_status_line():
+    """--steps 2^53 at a slow first rate: the ETA is capped where a timedelta ends, no OverflowError."""
+    import logs
+
+    progress = logs.Progress(cfg.LARGEST_COUNT, 0, interactive=False)
+    progress.update(100, fps=0.5)
+    assert progress.line(100).endswith("ETA 999999999 days, 23:59:59")
+
+
 @pytest.mark.parametrize("inside", [False, True])
 def test_a_symlink_loop_as_logdir_is_one_line(tmp_path, capsys, inside):
     (tmp_path / "a").symlink_to(tmp_path / "b")
@@ -338,3 +347,22 @@ def test_an_ascii_only_stdout_prints_a_non_ascii_logdir_escaped(tmp_path, monkey
     stdout.flush()
     text = stdout.buffer.getvalue().decode("ascii")
     assert "r\\xe9sum\\xe9" in text and not logdir.exists()
+
+
+def test_the_bad_input_battery_still_applies_to_configs_yaml(tmp_path, capsys):
+    """benchmarks/bad_inputs.py: every edit still finds its text in configs.yaml (an edit that no longer
+    applies stops the battery), and its own bad arguments are one line and exit 2."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bad_inputs", ROOT / "benchmarks" / "bad_inputs.py")
+    battery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(battery)
+    text = (ROOT / "configs.yaml").read_text()
+    for name, (_, args, edit, _, _, expected, _) in battery.CASES.items():
+        assert expected in ("refused", "done") and args, name
+        if edit is not None:
+            assert edit(text) != text, name
+    battery.copy_checkout(tmp_path)
+    assert {"dreamer.py", "config.py", "configs.yaml", "envs"} <= {p.name for p in tmp_path.iterdir()}
+    assert battery.main(["--only", "nosuchcase"]) == 2
+    assert "unknown case 'nosuchcase'" in capsys.readouterr().err
