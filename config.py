@@ -40,10 +40,152 @@ import tools
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs.yaml"
 
 
-def load_presets(path=CONFIG_FILE):
-    from ruamel.yaml import YAML
+class Presets(dict):
+    """configs.yaml as loaded: {preset name: its keys} with `defaults` first, and where each key is
+    written, `lines[(preset, dotted key)]` (1-based), so that a bad value names its line."""
 
-    return YAML(typ="safe", pure=True).load(pathlib.Path(path).read_text())
+    def __init__(self, presets, lines, path):
+        super().__init__(presets)
+        self.lines, self.path = lines, pathlib.Path(path)
+
+    def where(self, name, key=None):
+        """'configs.yaml:LINE' of a preset or one of its keys (the preset's own line when the key's is unknown)."""
+        line = self.lines.get((name, key)) or self.lines.get((name, None), 1)
+        return f"{self.path.name}:{line}"
+
+
+def load_presets(path=None):
+    """The one reader of configs.yaml. Every YAML or schema mistake in it is a ConfigError of one
+    line, 'configs.yaml:LINE: what is wrong', before anything is written: a preset is a mapping of
+    keys that `defaults` declares, each of its default's type and, where SCHEMA lists choices, one of
+    them; `defaults` holds every SCHEMA key and passes every check (parse checks the stacked presets)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+    path = pathlib.Path(CONFIG_FILE if path is None else path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise tools.ConfigError(f"{path.name}: not found at {path}; restore it (git checkout {path.name})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise tools.ConfigError(f"{path.name}: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+    yaml = YAML(typ="safe", pure=True)
+    try:
+        root = yaml.compose(text)  # the nodes know their lines; built into values once
+        presets = yaml.constructor.construct_document(root) if root is not None else None
+    except MarkedYAMLError as e:
+        raise tools.ConfigError(yaml_error(path.name, e)) from None
+    except YAMLError as e:
+        raise tools.ConfigError(f"{path.name}: {str(e).splitlines()[0]}") from None
+    if presets is None:
+        raise tools.ConfigError(f"{path.name}:1: the file is empty; it needs `defaults:` and the presets "
+                                f"(restore it: git checkout {path.name})")
+    if not isinstance(presets, dict):
+        raise tools.ConfigError(f"{path.name}:1: expected a mapping of presets (defaults:, debug:, ...), "
+                                f"got {type(presets).__name__}")
+    loaded = Presets(presets, key_lines(root), path)
+    if "defaults" not in presets:
+        raise tools.ConfigError(f"{path.name}:1: no `defaults:` mapping; every preset is merged over it")
+    for name, preset in presets.items():
+        if not isinstance(preset, dict):
+            raise tools.ConfigError(f"{loaded.where(name)}: preset '{name}' is not a mapping of keys "
+                                    f"(got {preset!r}); write it as `{name}:` with indented `key: value` lines")
+    check_defaults(loaded)
+    for name in presets:
+        if name != "defaults":
+            check_preset(loaded, name)
+    return loaded
+
+
+def yaml_error(name, error):
+    """A YAML syntax error as 'configs.yaml:LINE: what, how to fix'."""
+    problem = error.problem or str(error).splitlines()[0]
+    mark = error.problem_mark
+    if "\\t" in problem:  # ruamel writes the tab it found as '\\t'
+        return f"{name}:{mark.line + 1}: a tab in the indentation; indent with spaces"
+    if "could not find expected ':'" in problem and error.context_mark is not None:
+        return (f"{name}:{error.context_mark.line + 1}: a key without ': ' (a colon and a space), "
+                "e.g. `batch_size: 16`")
+    if "duplicate key" in problem:
+        key = problem.split('"')[1] if '"' in problem else "?"
+        return f"{name}:{mark.line + 1}: duplicate key '{key}' (each key once per preset)"
+    return f"{name}:{mark.line + 1}: {problem}" + (f" ({error.context})" if error.context else "")
+
+
+def key_lines(node, prefix=(), lines=None):
+    """{(preset, dotted key): line} of every key under the YAML node tree's top-level mapping;
+    (preset, None) is the preset's own line."""
+    lines = {} if lines is None else lines
+    if not hasattr(node, "value") or not isinstance(node.value, list):
+        return lines
+    for item in node.value:
+        if not isinstance(item, tuple):
+            continue
+        key, value = item
+        path = (*prefix, str(key.value))
+        if not prefix:
+            lines[(path[0], None)] = key.start_mark.line + 1
+        else:
+            lines[(path[0], ".".join(path[1:]))] = key.start_mark.line + 1
+        key_lines(value, path, lines)
+    return lines
+
+
+def check_defaults(presets):
+    """`defaults` declares every key and is a valid run by itself: every SCHEMA key present (a file
+    cut short lacks the last ones), every value valid."""
+    flat = tools.flatten(presets["defaults"])
+    missing = [key for key in SCHEMA if key not in flat]
+    if missing:
+        last = max((line for (name, _), line in presets.lines.items() if name == "defaults"), default=1)
+        raise tools.ConfigError(f"{presets.path.name}:{last}: defaults lacks '{missing[0]}'"
+                                + (f" and {len(missing) - 1} more keys" if len(missing) > 1 else "")
+                                + f" (cut short?); every key needs a default (restore: git checkout "
+                                  f"{presets.path.name})")
+    try:
+        check_choices(flat)
+        check_ranges(tools.flatten(normalise(presets["defaults"])))
+    except InvalidValue as e:
+        raise tools.ConfigError(f"{presets.where('defaults', e.key)}: {e}") from None
+
+
+def check_preset(presets, name):
+    """Every key of a preset is a key of `defaults`, of its default's type, and one of its choices."""
+    defaults = tools.flatten(presets["defaults"])
+    for key, value in tools.flatten(presets[name]).items():
+        where = presets.where(name, key)
+        if key not in defaults:
+            if any(k.startswith(key + ".") for k in defaults):
+                raise tools.ConfigError(f"{where}: '{key}' in preset '{name}' is a group; give its keys "
+                                        f"({', '.join(k for k in defaults if k.startswith(key + '.'))[:80]}...)")
+            raise tools.ConfigError(f"{where}: unknown key '{key}' in preset '{name}' "
+                                    f"(closest valid: {closest(key, list(defaults))})")
+        row = SCHEMA.get(key, Key())
+        if row.choices:
+            if value not in row.choices:
+                raise tools.ConfigError(f"{where}: invalid value '{value}' for '{key}' in preset '{name}'; "
+                                        f"valid: {', '.join(map(str, row.choices))}")
+            continue
+        expected = expected_type(defaults[key], row)
+        if expected and not expected[0](value):
+            raise tools.ConfigError(f"{where}: invalid value {value!r} for '{key}' in preset '{name}': "
+                                    f"expected {expected[1]} (its default is {defaults[key]!r})")
+
+
+def expected_type(default, row=None):
+    """(test, description) of the values a key with this default takes; None for any (a null default)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if row is not None and row.auto:
+        return (lambda v: v == "auto" or number(v), "auto or a number")
+    if isinstance(default, bool):
+        return (lambda v: isinstance(v, bool), "True or False")
+    if number(default):
+        return (number, "a number")
+    if isinstance(default, list):
+        return (lambda v: isinstance(v, list), "a list, e.g. [64, 64]")
+    if isinstance(default, str):  # some text keys also take a number (actor.std)
+        return (lambda v: isinstance(v, str) or number(v), "text")
+    return None
 
 
 def merge(base, update):
@@ -325,7 +467,8 @@ def parse(argv, presets=None):
     stand alone as a flag)."""
     presets = presets if presets is not None else load_presets()
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--configs", nargs="+", default=[])
+    # --configs a b --configs c stacks a, b, c: presets are merged in the order given, wherever given.
+    parser.add_argument("--configs", nargs="+", action="extend", default=[])
     args, rest = parser.parse_known_args(argv)
     config = presets["defaults"]
     for name in args.configs:
@@ -371,33 +514,68 @@ def parse(argv, presets=None):
         for parent in parents:
             node = node[parent]
         node[leaf] = value
-    check_choices(tools.flatten(config))
-    config = normalise(config)
-    check_ranges(tools.flatten(config))
+    try:
+        check_choices(tools.flatten(config))
+        config = normalise(config)
+        check_ranges(tools.flatten(config))
+    except InvalidValue as e:
+        # A value from configs.yaml, not the command line: name the line of the last preset that set it.
+        setters = [name for name in ["defaults", *args.configs] if e.key in tools.flatten(presets[name])]
+        if e.key in overrides or not setters or not isinstance(presets, Presets):
+            raise
+        setter = "defaults" if setters[-1] == "defaults" else f"preset '{setters[-1]}'"
+        raise tools.ConfigError(f"{presets.where(setters[-1], e.key)}: {e} (set by {setter})") from None
     return tools.Config(config)
+
+
+class InvalidValue(tools.ConfigError):
+    """A value SCHEMA refuses, with its key (parse names the configs.yaml line that set it)."""
+
+    def __init__(self, message, key):
+        super().__init__(message)
+        self.key = key
 
 
 def check_choices(flat):
     for key, valid in ((key, row.choices) for key, row in SCHEMA.items() if row.choices):
         if key in flat and flat[key] not in valid:
-            raise tools.ConfigError(f"Invalid value '{flat[key]}' for --{key}; valid: {', '.join(map(str, valid))}")
+            raise InvalidValue(f"Invalid value '{flat[key]}' for --{key}; valid: {', '.join(map(str, valid))}", key)
 
 
 def check_ranges(flat):
     for key, (valid, description) in ((key, row.range) for key, row in SCHEMA.items() if row.range):
-        if key in flat and not valid(flat[key], flat):
+        if key not in flat:
+            continue
+        try:
+            ok = valid(flat[key], flat)
+        except TypeError:  # text where a number belongs (discount: high in configs.yaml)
+            ok = False
+        if not ok:
             value = ",".join(map(str, flat[key])) if isinstance(flat[key], list) else flat[key]
-            raise tools.ConfigError(f"Invalid value '{value}' for --{key}; valid: {description}")
+            raise InvalidValue(f"Invalid value '{value}' for --{key}; valid: {description}", key)
+
+
+# The largest count a run takes: frames, steps and sizes are int64 in numpy and torch and pass through
+# float64 rates, which hold whole numbers exactly up to 2^53; --steps 1e30 is refused at start.
+LARGEST_COUNT = 2**53
 
 
 def normalise(config):
-    """Counts written as 1e6 in YAML become integers."""
+    """Counts written as 1e6 in YAML become integers, each at most LARGEST_COUNT."""
     config = copy.deepcopy(config)
     for key in (key for key, row in SCHEMA.items() if row.whole):
-        if isinstance(config.get(key), float):
-            if not config[key].is_integer():
-                raise tools.ConfigError(f"Invalid value '{config[key]}' for --{key}: expected a whole number")
-            config[key] = int(config[key])
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise InvalidValue(f"Invalid value '{value}' for --{key}: expected a whole number", key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if abs(value) > LARGEST_COUNT:
+                raise InvalidValue(f"Invalid value '{value:.3g}' for --{key}: at most 2^53 "
+                                   f"({LARGEST_COUNT:.3g}; a 64-bit counter and float64 rates hold no more)", key)
+            if "." not in key:
+                config[key] = int(value)
     return config
 
 
@@ -423,12 +601,17 @@ def compare_saved_config(config, path):
             if not SCHEMA.get(key, Key()).free and value != "auto" and saved.get(key) != value]
 
 
-def config_reference(path=CONFIG_FILE):
+def config_reference(path=None, sections=False):
     """Every key of `defaults` in configs.yaml with its default as written and its comment (the
     comment lines below a key continue it): [(dotted key, default, comment)], in file order. The
-    file is the reference; `python3 dreamer.py --help` prints this, so the two cannot drift."""
-    rows, parents, inside = [], [], False
-    for line in pathlib.Path(path).read_text().splitlines():
+    file is the reference; `python3 dreamer.py --help` prints this, so the two cannot drift. With
+    `sections`, each row ends with its section's heading (the `# --- run ---` lines)."""
+    rows, parents, inside, section = [], [], False, ""
+    for line in pathlib.Path(CONFIG_FILE if path is None else path).read_text().splitlines():
+        heading = re.fullmatch(r"  # --- (.+) ---", line)
+        if inside and heading:
+            section = heading.group(1)
+            continue
         if not line.strip():
             continue
         if not line.startswith(" "):  # a top-level entry: defaults or a preset
@@ -441,7 +624,7 @@ def config_reference(path=CONFIG_FILE):
         text, _, comment = line.strip().partition("#") if line.strip().startswith("#") else _split_comment(line)
         if line.strip().startswith("#"):
             if rows and indent > 2 and rows[-1][2] and not line.strip().startswith("# ---"):
-                rows[-1] = (rows[-1][0], rows[-1][1], rows[-1][2] + " " + line.strip()[1:].strip())
+                rows[-1] = (*rows[-1][:2], rows[-1][2] + " " + line.strip()[1:].strip(), *rows[-1][3:])
             continue
         key, _, value = text.partition(":")
         depth = indent // 2 - 1  # defaults' own keys are indented by 2
@@ -449,22 +632,46 @@ def config_reference(path=CONFIG_FILE):
         if not value.strip():  # a group: its keys follow, indented
             parents.append(key.strip())
             continue
-        rows.append((".".join([*parents, key.strip()]), value.strip(), comment.strip()))
-    return rows
+        rows.append((".".join([*parents, key.strip()]), value.strip(), comment.strip(), section))
+    return rows if sections else [row[:3] for row in rows]
 
 
 def config_help(topic=None):
     """The lines of `--help [TOPIC]`: every key with its default and comment (config_reference),
     those starting with TOPIC (a group or key prefix) when given; an unknown TOPIC is a ConfigError."""
-    rows = config_reference()
+    rows = config_reference(sections=True)
     if topic is not None:
         rows = [row for row in rows if row[0].startswith(topic)]
         if not rows:
             groups = sorted({key.split(".")[0] for key, _, _ in config_reference() if "." in key})
-            raise tools.ConfigError(f"No config key starts with '{topic}'; groups: {', '.join(groups)} "
-                                    "(or any key prefix, e.g. dyn_)")
-    width = max(len(f"--{key} {default}") for key, default, _ in rows) + 2
-    return [f"  {f'--{key} {default}':<{width}}{comment}" for key, default, comment in rows]
+            raise tools.ConfigError(f"No config key starts with '{topic}' and no preset is called so; groups: "
+                                    f"{', '.join(groups)} (or any key prefix, e.g. dyn_, or a preset, e.g. debug)")
+    width = max(len(f"--{key} {default}") for key, default, _, _ in rows) + 2
+    lines, section = [], None
+    for key, default, comment, heading in rows:
+        if topic is None and heading != section:  # configs.yaml's sections, as headings of the full list
+            lines += [*([""] if lines else []), f"{heading}:"]
+            section = heading
+        lines.append(f"  {f'--{key} {default}':<{width}}{comment}")
+    return lines
+
+
+def preset_help(name, presets=None):
+    """The lines of `--help PRESET`: every key the preset sets, its value and the default it replaces."""
+    presets = load_presets() if presets is None else presets
+    defaults = tools.flatten(presets["defaults"])
+    rows = [(f"--{key} {format_value(value)}", f"(default {format_value(defaults.get(key))})")
+            for key, value in tools.flatten(presets[name]).items()]
+    width = max((len(flag) for flag, _ in rows), default=0) + 2
+    return [f"Preset {name} ({presets.where(name)}) sets {len(rows)} keys over defaults:",
+            *[f"  {flag:<{width}}{note}" for flag, note in rows]]
+
+
+def format_value(value):
+    """A value as a flag takes it: lists comma-separated."""
+    if isinstance(value, list):
+        return ",".join(map(format_value, value))
+    return str(int(value)) if isinstance(value, float) and value.is_integer() and abs(value) >= 1e3 else str(value)
 
 
 def _split_comment(line):
@@ -476,6 +683,30 @@ def _split_comment(line):
         elif char == "#" and quote is None and (i == 0 or line[i - 1] == " "):
             return line[:i].strip(), "#", line[i + 1:]
     return line.strip(), "", ""
+
+
+def print_config(argv):
+    """--print_config: the settled config as YAML (presets stacked, overrides applied, the task
+    spelled canonically, --device auto and, on CUDA, --compile auto settled), from the same checks
+    as a run's start; it builds nothing and writes nothing. The keys still 'auto' settle from what
+    only the built run knows (the action space, measured costs, the model's size), as listed."""
+    from ruamel.yaml import YAML
+
+    config = check_tasks(parse(argv))
+    check_text(config)
+    config, device_note = launch.resolve_device(config)
+    if config.compile == "auto" and torch.device(config.device).type == "cuda":
+        config = config.replace(compile=models.compile_choice(config, None)[0])
+    buffer, yaml = io.StringIO(), YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    yaml.dump(config.to_dict(), buffer)
+    left = [key for key, value in tools.flatten(config.to_dict()).items() if value == "auto"]
+    header = [f"# The settled config of: python3 dreamer.py {' '.join(argv)}".rstrip()]
+    if device_note:
+        header.append(f"# device: {config.device} ({device_note})")
+    if left:
+        header.append(f"# still auto, settled when the run is built: {', '.join(left)}")
+    return "\n".join(header) + "\n" + buffer.getvalue().rstrip("\n")
 
 
 def save_config(config, path):
@@ -523,11 +754,14 @@ def check_processes(config):
 def check_logdir(logdir):
     """The logdir must be a folder, or creatable, and writable: probed with a temporary file that
     is removed again, because permission bits say nothing for root or read-only mounts."""
-    try:
+    try:  # a name the file system refuses (ENAMETOOLONG), a symlink loop (ELOOP, which resolve raises)
+        logdir.resolve(strict=False)
         logdir.exists()
-    except OSError as e:  # a name the file system refuses (ENAMETOOLONG), a symlink loop (ELOOP)
-        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: the folder cannot be created "
-                                f"({e.strerror or e}); choose a shorter or writable path") from None
+    except (RuntimeError, OSError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: the folder cannot be created ({reason}); "
+                                "choose a shorter path, or one without a symbolic link that points back into itself"
+                                ) from None
     if logdir.exists() and not logdir.is_dir():
         raise tools.ConfigError(f"Invalid value '{logdir}' for --logdir: it is a file, not a folder")
     existing = next(p for p in (logdir, *logdir.parents) if p.exists())
@@ -580,17 +814,24 @@ def usage(topic=None):
     """--help [TOPIC]: how to call the script, the presets, and every key with its default and its
     comment from configs.yaml (config_reference); TOPIC, a group or key prefix such as
     `actor` or `dyn_`, narrows the keys."""
-    presets = [name for name in load_presets() if name != "defaults"]
+    loaded = load_presets()
+    presets = [name for name in loaded if name != "defaults"]
+    if topic in presets:
+        return "\n".join(preset_help(topic, loaded))
     lines = config_help(topic)
     if topic is not None:
         return "\n".join(lines)
     return "\n".join([
         "usage: python3 dreamer.py [--configs PRESET ...] --logdir DIR [--KEY VALUE ...]",
-        "       python3 dreamer.py --help [TOPIC]   (TOPIC: a group or key prefix, e.g. actor, dyn_)",
+        "       python3 dreamer.py --help [TOPIC]   (TOPIC: a group or key prefix, e.g. actor, dyn_; or a preset,",
+        "                                           e.g. debug: what it sets)",
+        "       python3 dreamer.py [--configs PRESET ...] [--KEY VALUE ...] --print_config   (the settled config",
+        "                                           as YAML; starts nothing, writes nothing)",
         "",
         "DreamerV3 training script: the one entry point.",
         "",
-        "Presets (merged in the order given, over `defaults`): " + ", ".join(presets),
+        "Presets (merged in the order given, over `defaults`; --configs a --configs b is --configs a b): "
+        + ", ".join(presets),
         f"Every key of {CONFIG_FILE.name} is a flag: --task dmc_walker_walk, --actor.lr 1e-4, --size 64,64;",
         "a boolean flag alone means True. Rerunning the same command resumes the run in --logdir.",
         "",

@@ -49,6 +49,15 @@ import tools
 def main(argv=None):
     """Parse, build, train; Ctrl-C and SIGTERM save and end without a traceback."""
     argv = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):  # a logdir or task in any script prints on an ASCII-only terminal
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    if "--print_config" in argv:
+        try:
+            print(cfg.print_config([arg for arg in argv if arg != "--print_config"]))
+        except (tools.ConfigError, envs.TaskError) as e:
+            cfg.fail(str(e))
+        return None
     if "--help" in argv or "-h" in argv:
         at = argv.index("--help" if "--help" in argv else "-h")
         topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None

@@ -423,8 +423,10 @@ class Progress:
         """The plain progress line: frames, rates, last returns and ETA (`eta` seconds where the run's log
         set it, eta_seconds; else from the fps)."""
         fps = self.stats.get("fps", 0.0)
+        # capped at what a timedelta holds: a long --steps at a slow first rate would overflow it
+        most = datetime.timedelta.max // datetime.timedelta(seconds=1)
         left = self.eta if self.eta is not None else max(self.total - frames, 0) / fps if fps > 0 else None
-        eta = datetime.timedelta(seconds=int(max(left, 0))) if left is not None else "?"
+        eta = datetime.timedelta(seconds=int(min(max(left, 0), most))) if left is not None else "?"
         done = min(frames / self.total, 1.0) if self.total else 1.0  # a few frames past --steps (or of --steps 0)
         parts = [f"frames {frames}/{self.total} ({100 * done:.1f}%)"]
         parts += [f"{k} {self.format(k, v)}" for k, v in self.stats.items()]

@@ -11,7 +11,10 @@ Suites are imported only when used, so a missing optional package never breaks a
 settles the spaces every task's environment presents (wrappers.TaskEnv).
 """
 
+import ctypes.util
 import importlib
+import os
+import sys
 
 import gymnasium
 import numpy as np
@@ -46,10 +49,45 @@ def suite_module(task):
 
 
 def check_task(task):
-    """Raise TaskError naming the task and close valid names when the suite knows it is invalid."""
+    """Raise TaskError naming the task and close valid names when the suite knows it is invalid,
+    or MUJOCO_GL when the suite's import would fail on it (check_rendering)."""
+    split_task(task)
+    check_rendering([task])
     module, name = suite_module(task)
     if hasattr(module, "check"):
         module.check(name)
+
+
+# MUJOCO_GL's back ends (dm_control._render.constants; each name also has aliases there), with the
+# shared library each loads and the package that provides it on Debian/Ubuntu.
+RENDERERS = {"egl": ("EGL", "libegl1"), "osmesa": ("OSMesa", "libosmesa6"), "glfw": ("glfw", "libglfw3")}
+RENDERER_ALIASES = {"on": "glfw", "enable": "glfw", "enabled": "glfw", "true": "glfw", "1": "glfw", "": "glfw",
+                    "off": None, "disable": None, "disabled": None, "false": None, "0": None}
+MUJOCO_SUITES = ("dmc", "memorymaze")  # the suites whose environments render through MuJoCo
+
+
+def check_rendering(tasks, environ=None, find_library=ctypes.util.find_library):
+    """A MUJOCO_GL the user set, checked before anything is written when a task renders through
+    MuJoCo: dm_control raises on an unknown value, and on a back end whose library is missing
+    fails deep in its renderer. An unset MUJOCO_GL is left to wrappers.headless_rendering."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("MUJOCO_GL")
+    if value is None or not any(split_task(task)[0] in MUJOCO_SUITES for task in tasks):
+        return
+    name = RENDERER_ALIASES.get(value.lower(), value.lower())
+    if name is None:  # rendering off: a run without images still works
+        return
+    if name not in RENDERERS:
+        raise TaskError(f"Invalid value '{value}' for the environment variable MUJOCO_GL; valid: egl (headless, "
+                        "libegl1), osmesa (software, libosmesa6), glfw (a display); unset, it is egl")
+    library, package = RENDERERS[name]
+    if name == "glfw" and sys.platform.startswith("linux") and not (environ.get("DISPLAY")
+                                                                    or environ.get("WAYLAND_DISPLAY")):
+        raise TaskError("MUJOCO_GL=glfw needs a display, but DISPLAY is not set; use MUJOCO_GL=egl (headless) "
+                        "or osmesa")
+    if name != "glfw" and sys.platform.startswith("linux") and find_library(library) is None:
+        raise TaskError(f"MUJOCO_GL={value} needs lib{library}, which is not installed: apt-get install {package} "
+                        f"(or use MUJOCO_GL={'osmesa' if name == 'egl' else 'egl'})")
 
 
 def episode_metrics(task, episodes):

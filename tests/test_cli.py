@@ -229,3 +229,140 @@ def test_a_bug_keeps_its_traceback_where_user_mistakes_are_one_line(tmp_path, mo
     with pytest.raises(ValueError, match="a bug, not a user mistake"):
         dreamer.main(["--configs", "debug", "--device", "cpu", "--steps", "10", "--logdir", str(tmp_path / "run")])
     assert "error:" not in capsys.readouterr().err
+
+
+# -- issue 54: the command line's remaining edges ----------------------------------------------------
+
+
+def test_print_config_prints_the_settled_config_as_yaml_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from ruamel.yaml import YAML
+
+    monkeypatch.chdir(tmp_path)
+    logdir = tmp_path / "run"
+    dreamer.main(["--configs", "debug", "recipe2024", "--batch_size", "7", "--logdir", str(logdir),
+                  "--print_config"])
+    out = capsys.readouterr().out
+    printed = YAML(typ="safe", pure=True).load(out)
+    # recipe2024's keys over debug's, the override over both, --device auto settled (debug sets cpu)
+    assert (printed["norm"], printed["dyn_cell"], printed["opt"], printed["decoder"]["cnn"]) == \
+        ("rms", "blockgru", "laprop", "upsample")
+    assert (printed["batch_size"], printed["steps"], printed["device"], printed["logdir"]) == (7, 600, "cpu",
+                                                                                              str(logdir))
+    assert printed == cfg.parse(["--configs", "debug", "recipe2024", "--batch_size", "7",
+                                 "--logdir", str(logdir)]).to_dict()
+    assert "still auto, settled when the run is built: actor.dist" in out  # from the action space
+    assert list(tmp_path.iterdir()) == []  # no logdir, nothing in the current folder
+    with pytest.raises(SystemExit) as stop:  # its mistakes are the run's: one line, exit 2
+        dreamer.main(["--configs", "debug", "--batch_size", "0", "--print_config"])
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: Invalid value '0' for --batch_size")
+
+
+def test_help_keeps_the_sections_of_configs_yaml():
+    text = cfg.usage()
+    headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")
+                and " " not in line.rstrip(":").replace("world model", "world_model")]
+    expected = [line.strip()[6:-4] for line in (ROOT / "configs.yaml").read_text().splitlines()
+                if line.startswith("  # --- ")]
+    assert headings == expected and len(expected) == 6, headings
+    lines = text.splitlines()
+    assert lines.index("training:") < next(i for i, line in enumerate(lines) if line.startswith("  --batch_size "))
+    assert lines.index("behaviour:") > next(i for i, line in enumerate(lines) if line.startswith("  --batch_size "))
+
+
+def test_help_preset_shows_what_the_preset_sets(capsys):
+    dreamer.main(["--help", "debug"])
+    lines = capsys.readouterr().out.splitlines()
+    debug = tools.flatten(cfg.load_presets()["debug"])
+    assert lines[0].startswith("Preset debug (configs.yaml:") and f"sets {len(debug)} keys" in lines[0]
+    assert len(lines) == 1 + len(debug)
+    assert any(line.split() == ["--batch_size", "10", "(default", "16)"] for line in lines), lines
+    assert any(line.split() == ["--size", "16,16", "(default", "64,64)"] for line in lines), lines
+    assert any(line.split()[:2] == ["--encoder.cnn_depth", "4"] for line in lines), lines
+
+
+@pytest.mark.parametrize("steps", ["1e30", "1e16", str(2**53 + 2)])
+def test_steps_beyond_what_a_counter_holds_are_refused_at_start(tmp_path, capsys, steps):
+    with pytest.raises(SystemExit) as stop:
+        dreamer.main(["--configs", "debug", "--steps", steps, "--logdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: Invalid value") and "--steps: at most 2^53" in err, err
+    assert len(err.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+    assert cfg.parse(["--steps", str(2**53)]).steps == 2**53
+
+
+def test_the_largest_steps_accepted_prints_its_status_line():
+    """--steps 2^53 at a slow first rate: the ETA is capped where a timedelta ends, no OverflowError."""
+    import logs
+
+    progress = logs.Progress(cfg.LARGEST_COUNT, 0, interactive=False)
+    progress.update(100, fps=0.5)
+    assert progress.line(100).endswith("ETA 999999999 days, 23:59:59")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_symlink_loop_as_logdir_is_one_line(tmp_path, capsys, inside):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    logdir = tmp_path / "a" / "run" if inside else tmp_path / "a"
+    with pytest.raises(SystemExit) as stop:
+        dreamer.main(["--configs", "debug", "--logdir", str(logdir)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "for --logdir" in err and "symbolic link" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("value, library, message", [
+    ("nonsense", "libEGL.so.1", "Invalid value 'nonsense' for the environment variable MUJOCO_GL; valid: egl"),
+    ("osmesa", None, "MUJOCO_GL=osmesa needs libOSMesa, which is not installed: apt-get install libosmesa6"),
+    ("egl", None, "MUJOCO_GL=egl needs libEGL, which is not installed: apt-get install libegl1"),
+])
+def test_mujoco_gl_is_checked_before_dm_control_is_imported(monkeypatch, value, library, message):
+    import envs
+
+    environ = {"MUJOCO_GL": value}
+    with pytest.raises(envs.TaskError, match=message.replace("(", r"\(")):
+        envs.check_rendering(["dmc_walker_walk"], environ, lambda name: library)
+    envs.check_rendering(["atari_pong"], environ, lambda name: library)  # renders without MuJoCo
+    envs.check_rendering(["dmc_walker_walk"], {}, lambda name: None)  # unset: wrappers.headless_rendering's egl
+    envs.check_rendering(["dmc_walker_walk"], {"MUJOCO_GL": "disabled"}, lambda name: None)  # rendering off
+
+
+def test_a_bad_mujoco_gl_stops_the_script_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MUJOCO_GL", "nonsense")
+    with pytest.raises(SystemExit) as stop:
+        dreamer.main(["--configs", "debug", "--logdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "MUJOCO_GL; valid: egl" in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ascii_only_stdout_prints_a_non_ascii_logdir_escaped(tmp_path, monkeypatch):
+    import io
+
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    logdir = tmp_path / "r\u00e9sum\u00e9"
+    dreamer.main(["--configs", "debug", "--logdir", str(logdir), "--print_config"])
+    stdout.flush()
+    text = stdout.buffer.getvalue().decode("ascii")
+    assert "r\\xe9sum\\xe9" in text and not logdir.exists()
+
+
+def test_the_bad_input_battery_still_applies_to_configs_yaml(tmp_path, capsys):
+    """benchmarks/bad_inputs.py: every edit still finds its text in configs.yaml (an edit that no longer
+    applies stops the battery), and its own bad arguments are one line and exit 2."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bad_inputs", ROOT / "benchmarks" / "bad_inputs.py")
+    battery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(battery)
+    text = (ROOT / "configs.yaml").read_text()
+    for name, (_, args, edit, _, _, expected, _) in battery.CASES.items():
+        assert expected in ("refused", "done") and args, name
+        if edit is not None:
+            assert edit(text) != text, name
+    battery.copy_checkout(tmp_path)
+    assert {"dreamer.py", "config.py", "configs.yaml", "envs"} <= {p.name for p in tmp_path.iterdir()}
+    assert battery.main(["--only", "nosuchcase"]) == 2
+    assert "unknown case 'nosuchcase'" in capsys.readouterr().err

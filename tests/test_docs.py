@@ -246,7 +246,7 @@ def test_every_documented_dreamer_command_parses(doc):
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_flag_named_in_the_prose_exists(doc):
-    keys = set(tools.flatten(cfg.load_presets()["defaults"])) | {"configs", "help"}
+    keys = set(tools.flatten(cfg.load_presets()["defaults"])) | {"configs", "help", "print_config"}
     script_flags = set()
     for script in (ROOT / "benchmarks").glob("*.py"):
         script_flags |= set(re.findall(r"add_argument\(\s*\"--([\w-]+)\"", script.read_text()))
