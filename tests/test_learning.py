@@ -203,7 +203,7 @@ def write_run(logdir, evaluations, task="steering_reach"):
 def test_the_learning_checks_verdict_needs_a_lead_over_random_actions_and_over_the_untrained_start(tmp_path, start,
                                                                                                   final, said):
     """judge on a written run: 'learned' only when the last evaluation leads random actions' return (4.7 on
-    GOALS) and the first evaluation each by more than MARGIN (3): a run above random actions but no better
+    GOALS) and the first evaluation each by more than MARGIN (4): a run above random actions but no better
     than where it started (9.0 -> 11.0, 12.0 -> 12.0) did not learn, nor did one that improved too little
     to clear random actions by the margin (3.0 -> 6.0)."""
     write_run(tmp_path / "run", [(200, start, 0), (600, (start + final) / 2, 400), (1000, final, 800)])
