@@ -31,6 +31,7 @@ SUITES = {
     "minecraft": "envs.minecraft",
     "dmlab": "envs.dmlab",
     "gym": "envs.gym",
+    "steering": "envs.steering",  # a tiny task for the learning check (benchmarks/learns.py)
 }
 
 
