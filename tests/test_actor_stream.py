@@ -1,5 +1,5 @@
 """The asynchronous actor on a CUDA stream of its own (launch.SideStream, used by
-dreamer.Trainer.actor_policy and sync_actor), checked on the CPU with torch.cuda's streams stood in
+collection.Collection.actor_policy and sync), checked on the CPU with torch.cuda's streams stood in
 for: its policy runs on its stream, a weight copy waits for the stream's queued work and the stream's
 later work for the copy; on a CPU nothing changes."""
 
@@ -8,7 +8,7 @@ import types
 
 import torch
 
-import dreamer
+import collection
 import launch
 
 
@@ -45,19 +45,18 @@ def stand_in(monkeypatch):
 def test_the_actors_policy_runs_on_its_own_stream_and_weight_copies_are_ordered_with_it(monkeypatch):
     log, current = stand_in(monkeypatch)
     seen = []
-    trainer = types.SimpleNamespace(
-        actor_stream=launch.SideStream("cuda"), actor=types.SimpleNamespace(frames=0, policy_lock=threading.Lock()),
-        mode=lambda frames: "train", counters=types.SimpleNamespace(updates=3),
-        actor_agent=types.SimpleNamespace(
+    run = types.SimpleNamespace(
+        actor_stream=launch.SideStream("cuda"), thread=types.SimpleNamespace(frames=0, policy_lock=threading.Lock()),
+        mode=lambda frames: "train",
+        actor=types.SimpleNamespace(
             policy=lambda obs, state, mode: seen.append(torch.cuda.current_stream().name) or ("action", state),
-            load_state_dict=lambda state: log.append("copy weights")),
-        agent=types.SimpleNamespace(state_dict=lambda: {}))
-    assert dreamer.Trainer.actor_policy(trainer, {}, None) == ("action", None)
+            load_state_dict=lambda state: log.append("copy weights")))
+    assert collection.Collection.actor_policy(run, {}, None) == ("action", None)
     assert seen == ["side"] and log == ["enter side", "exit side"]
     log.clear()
-    dreamer.Trainer.sync_actor(trainer)
+    collection.Collection.sync(run, types.SimpleNamespace(state_dict=lambda: {}), 3)
     assert log == ["default waits for side", "copy weights", "side waits for default"]
-    assert trainer.synced == 3
+    assert run.synced == 3
 
 
 def test_on_a_cpu_the_side_stream_does_nothing():
