@@ -332,7 +332,7 @@ def test_eval_state_mean_makes_evaluation_use_the_posterior_mode(spaces):
         for mode in ("eval", "train"):
             for seed in (1, 2):
                 torch.manual_seed(seed)
-                action, (latent, _) = agent.policy(obs, None, mode)
+                action, (latent, _, _) = agent.policy(obs, None, mode)
                 outputs[mode, seed] = action, latent
         (eval1, latent1), (eval2, latent2) = outputs["eval", 1], outputs["eval", 2]
         mode_stoch = nn.functional.one_hot(latent1["logit"].argmax(-1), latent1["stoch"].shape[-1]).float()
@@ -357,7 +357,7 @@ def test_eval_sample_chooses_between_a_policy_sample_and_its_mode(spaces):
         for mode in ("eval", "train"):
             for seed in (1, 2):
                 torch.manual_seed(seed)
-                actions[mode, seed], (latent, _) = agent.policy(obs, None, mode)
+                actions[mode, seed], (latent, _, _) = agent.policy(obs, None, mode)
                 if mode == "eval" and seed == 1:
                     with torch.no_grad():
                         raw = agent.task_behavior.actor.raw(agent.wm.rssm.get_feat(latent))

@@ -147,7 +147,7 @@ def test_what_an_update_and_a_policy_call_return_is_copied_out_of_the_graphs_out
         region.compiled = recorded
     metrics, latents = agent.update.train_step(data[0])
     obs = {k: v[:, 0] for k, v in data[0].items()}
-    _, (latent, action) = agent.policy(obs, None, "train")
+    _, (latent, action, _) = agent.policy(obs, None, "train")
     returned = [*metrics.values(), *latents.values(), *latent.values(), action]
     assert len(outputs) > len(returned)
     graph_outputs = {id(t) for t in outputs if isinstance(t, torch.Tensor)}
