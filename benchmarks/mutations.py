@@ -88,8 +88,8 @@ MUTATIONS = [
         "slip": "the rollout detaches the actor's outputs instead of its input features: no loss "
                 "(dynamics, REINFORCE or entropy) sends the actor a gradient",
         "edits": [{"file": "models.py",
-                   "old": "        out = actor.raw(feat.detach())\n",
-                   "new": "        out = actor.raw(feat).detach()\n"}],
+                   "old": "    out = actor.raw(feat.detach())\n",
+                   "new": "    out = actor.raw(feat).detach()\n"}],
     },
     {
         "name": "decoder_frozen",

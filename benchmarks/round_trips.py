@@ -10,6 +10,7 @@ prints what each count is made of. The compiled update itself is stood in for (i
 tests/test_whole_update.py); everything around it is counted.
 """
 
+import argparse
 import collections
 import pathlib
 import sys
@@ -23,6 +24,7 @@ import test_round_trips as counting  # noqa: E402
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for replay_device in (False, True):
         patch = pytest.MonkeyPatch()
         try:

@@ -54,7 +54,7 @@ def test_help_topic_narrows_and_an_unknown_one_is_one_line():
     result = run_cli("--help", "nosuchkey")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert "No config key starts with 'nosuchkey'; groups: actor, " in result.stderr
+    assert "No config key starts with 'nosuchkey' and no preset is called so; groups: actor, " in result.stderr
 
 
 def test_continuation_comment_lines_join_their_key():
