@@ -66,7 +66,8 @@ def main(argv=None):
         except tools.ConfigError as e:
             cfg.fail(str(e))
         return None
-    previous_handler = signal.signal(signal.SIGTERM, raise_interrupted)
+    previous_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         try:
             config, logdir, device_note, changed = setup(argv)
@@ -75,6 +76,9 @@ def main(argv=None):
         ranks = launch.processes(config.device)
         try:
             return run_processes(config, logdir, device_note, changed, ranks)
+        except (tools.ConfigError, storage.CheckpointError, storage.LogdirBusy) as e:
+            # Raised before a run is built (the lock, a finished run's check, --eval_only's load): nothing to undo.
+            cfg.fail(str(e).strip().splitlines()[-1])
         finally:
             ranks.close()
     except KeyboardInterrupt as e:
@@ -107,8 +111,10 @@ def main(argv=None):
         print(f"error: rank {found[0]} of {found[1]} failed: {type(e).__name__}: {message}", file=sys.stderr,
               flush=True)
         sys.exit(1)
-    finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+    finally:  # also the handlers a stop left in place (launch.Stops)
+        for sig, handler in previous_handlers.items():
+            if handler is not None:  # None: installed outside Python, nothing this process can put back
+                signal.signal(sig, handler)
 
 
 def setup(argv):
@@ -845,4 +851,9 @@ def evaluate_checkpoint(config, agent, logdir, eval_envs):
 
 
 if __name__ == "__main__":
+    # main restores this handler as it returns. Ignored, a late copy of a signal burst (a scheduler and a
+    # wrapper both signalling) finds the stop it asked for saved and the process exiting; the default
+    # action, which Python's shutdown puts back for a Python handler, would kill it (exit -15 after the
+    # line that said 143). Children never inherit it: main installs its own handler before starting any.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     main()

@@ -211,10 +211,15 @@ class Stops:
 
     def __exit__(self, *exc):
         previous, self.previous = self.previous, {}  # ends the deadline's repeats
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if self.timer is not None:
             self.timer.cancel()
+        if self.code:
+            # The stop under way keeps this handler while the run closes its environments: a copy of the
+            # same burst is still the same request (a raise there would cut a close short), a later signal
+            # still stops at once. Whoever installed the handlers before it puts them back (dreamer.main).
+            return
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Agreement:

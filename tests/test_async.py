@@ -288,10 +288,12 @@ def test_kill_9_loses_at_most_unfinished_episodes_and_the_run_resumes(tmp_path):
         with np.load(path) as episode:
             assert episode["is_last"][-1] and episode["is_first"][0]  # only whole episodes are on disk
             stored += len(episode["reward"]) - 1
-    state, _, _ = storage.load_checkpoint_or_previous(tmp_path / "latest.pt")
+    # Likewise a complete checkpoint left in its temporary file (storage.resume_checkpoint).
+    state, _, _ = storage.resume_checkpoint(tmp_path / "latest.pt")
     counters = state["counters"]
-    # The checkpoint's frame, plus the steps of the episodes stored after it (action repeat 2).
-    frame = 2 * (counters["policy_steps"] + stored - counters["stored_steps"])
+    # The checkpoint's frame, plus the steps of the episodes stored after it (action repeat 2). The checkpoint's
+    # stored_steps also counts the steps its running episodes had taken: lost by the kill, they were still spent.
+    frame = 2 * (counters["policy_steps"] + max(0, stored - counters["stored_steps"]))
     result = subprocess.run([*command, "--steps", "400"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Run: resumed from frame {frame}" in result.stdout and frame > 0, result.stdout[-3000:]

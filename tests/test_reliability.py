@@ -189,7 +189,7 @@ def test_start_up_summary_counts_skipped_episodes(run_copy, capsys):
     with np.load(good) as data:
         episode = {k: data[k] for k in data.keys() if k != "velocity"}
     storage.save_episode(run_copy / "train_eps", episode)
-    code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "40")
+    code, out, err = main(capsys, *SHORT, "--logdir", str(run_copy), "--steps", "80")
     assert code == 0
     assert "Episodes: 20 replay steps loaded, 1 files skipped" in out
     assert "missing keys ['velocity']" in err

@@ -108,7 +108,9 @@ def test_a_debug_run_trains_and_resumes_with_the_replay_on_the_device(tmp_path, 
     out = capsys.readouterr().out
     assert "Run: resumed from frame 60" in out, out
     loaded = int(out.split("Episodes: ")[1].split(" replay steps loaded")[0])
-    assert loaded == first["stored_steps"] > 0, out  # every stored step, back in the replay on the device
+    # Every step the episode files hold, back in the replay on the device (the checkpoint's stored_steps also
+    # counts the running episode's steps that its file will hold: Collection.stored_steps).
+    assert loaded == storage.stored_steps(logdir / "train_eps") > 0, out
     state = torch.load(logdir / "latest.pt", weights_only=False)["counters"]
     assert state["policy_steps"] == 40 and state["updates"] > first["updates"]  # it went on from the checkpoint
     rows = [line for line in (logdir / "metrics.jsonl").read_text().splitlines() if "world_model/model_loss" in line]
