@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from helpers import resumed_frame  # noqa: E402
+
 import collection  # noqa: E402
 import dreamer  # noqa: E402
 import parallel  # noqa: E402
@@ -280,20 +282,13 @@ def test_kill_9_loses_at_most_unfinished_episodes_and_the_run_resumes(tmp_path):
     wait_for(lambda: len(list((tmp_path / "train_eps").glob("*.npz"))) >= 3 and (tmp_path / "latest.pt").exists())
     process.send_signal(signal.SIGKILL)
     process.wait()
-    # What the rerun does first: a kill between an episode's complete write and its rename leaves a
-    # temporary file that becomes the episode (storage.recover_episodes); count it with the others.
-    storage.recover_episodes(tmp_path / "train_eps")
+    frame = resumed_frame(tmp_path)  # action repeat 2
     stored = 0
     for path in (tmp_path / "train_eps").glob("*.npz"):
         with np.load(path) as episode:
             assert episode["is_last"][-1] and episode["is_first"][0]  # only whole episodes are on disk
             stored += len(episode["reward"]) - 1
-    # Likewise a complete checkpoint left in its temporary file (storage.resume_checkpoint).
-    state, _, _ = storage.resume_checkpoint(tmp_path / "latest.pt")
-    counters = state["counters"]
-    # The checkpoint's frame, plus the steps of the episodes stored after it (action repeat 2). The checkpoint's
-    # stored_steps also counts the steps its running episodes had taken: lost by the kill, they were still spent.
-    frame = 2 * (counters["policy_steps"] + max(0, stored - counters["stored_steps"]))
+    counters = storage.load_checkpoint_or_previous(tmp_path / "latest.pt")[0]["counters"]
     result = subprocess.run([*command, "--steps", "400"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Run: resumed from frame {frame}" in result.stdout and frame > 0, result.stdout[-3000:]

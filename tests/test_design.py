@@ -8,9 +8,9 @@ tests/test_compile.py)."""
 import collections
 import pathlib
 
-import numpy as np
 import pytest
 import torch
+from helpers import batch_for, make_agent  # noqa: E402
 
 import compilation
 import config as cfg
@@ -26,29 +26,6 @@ import tools
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def make_agent(*flags):
-    config = cfg.parse(["--configs", "debug", "--device", "cpu", *flags])
-    env = envs.make_env(config, "train", 0)
-    torch.manual_seed(0)
-    return dreamer.Dreamer(env.obs_space, env.act_space, config), env
-
-
-def batch_for(agent, env, length=None, seed=0):
-    config = agent.config
-    replay = storage.Replay(1000, 1, seed=seed)
-    obs, action = env.reset(), np.zeros(env.act_space.shape, np.float32)
-    rng = np.random.default_rng(seed)
-    for _ in range(3 * config.batch_length):
-        step = {**obs, "action": action, "reward": np.float32(rng.normal())}
-        step.update({k: v[0] for k, v in agent.context.entries(None, 1).items()})
-        replay.add(step)
-        action = rng.uniform(-1, 1, env.act_space.shape).astype(np.float32)
-        obs, _, done, _ = env.step(action)
-        if done:
-            obs = env.reset()
-    return replay.sample(config.batch_size, length or config.batch_length + agent.context.steps)
 
 
 # -- one loss table ---------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from helpers import main, snapshot  # noqa: E402
+
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import logs  # noqa: E402
@@ -40,24 +42,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def make_config(*flags):
     return cfg.parse(["--configs", "debug", *flags], presets=copy.deepcopy(PRESETS))
-
-
-def main(capsys, *args):
-    """dreamer.main in this process: (exit status, stdout, stderr)."""
-    try:
-        dreamer.main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    except KeyboardInterrupt:  # escaping main would end the test session instead of failing a test
-        code = "KeyboardInterrupt escaped"
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def snapshot(folder, skip=("run.lock",)):
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in pathlib.Path(folder).rglob("*")
-            if p.is_file() and p.name not in skip}
 
 
 def one_error_line(err):

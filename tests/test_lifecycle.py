@@ -17,6 +17,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from helpers import main  # noqa: E402
+
 import config as cfg  # noqa: E402
 import dreamer  # noqa: E402
 import launch  # noqa: E402
@@ -29,17 +31,6 @@ PRESETS = cfg.load_presets()
 SHORT = ["--configs", "debug", "--eval_episode_num", "0", "--time_limit", "40"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def main(capsys, *args):
-    """dreamer.main in this process: (exit status, stdout, stderr)."""
-    try:
-        dreamer.main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- 19, 20: the lock first; a logdir that cannot be made ----------------------------------------------

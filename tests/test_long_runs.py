@@ -22,6 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from helpers import main, resumed_frame  # noqa: E402
 from stand_ins import CountingEnv, latent_policy  # noqa: E402
 
 import config as cfg  # noqa: E402
@@ -42,27 +43,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def environment():
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"),
                 MASTER_ADDR="127.0.0.1")
-
-
-def main(capsys, *args):
-    """dreamer.main in this process: (exit status, stdout, stderr)."""
-    try:
-        dreamer.main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    except KeyboardInterrupt:  # escaping main would end the test session instead of failing a test
-        code = "KeyboardInterrupt escaped"
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def resumed_frame(logdir, traindir=None):
-    """The frame a rerun resumes from: the checkpoint's, plus every step stored after it (x2: action_repeat)."""
-    state, _, _ = storage.load_checkpoint_or_previous(logdir / "latest.pt")
-    counters = state["counters"]
-    return 2 * (counters["policy_steps"] + storage.stored_steps(traindir or logdir / "train_eps")
-                - counters["stored_steps"])
 
 
 # -- the pieces: clock, chunk writer, stops, agreement, write errors -------------------------------------

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import resumed_frame
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import compilation
@@ -152,14 +153,11 @@ def test_killed_run_resumes_with_episodes_intact(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert (logdir / "latest.pt").exists()
-    counters = torch.load(logdir / "latest.pt", weights_only=True)["counters"]
-    stored = 0
+    # Episodes finished after the checkpoint were played: the frame count includes them.
+    resumed_at = resumed_frame(logdir)
     for path in (logdir / "train_eps").glob("*.npz"):
         with np.load(path) as episode:
             assert episode["is_last"][-1]  # only whole episodes are ever on disk
-            stored += len(episode["reward"]) - 1
-    # Episodes finished after the checkpoint were played: the frame count includes them.
-    resumed_at = 2 * (counters["policy_steps"] + stored - counters["stored_steps"])
     result = train(logdir, "--steps", str(resumed_at + 100), "--eval_every", "200")
     assert f"resumed from frame {resumed_at}" in result.stdout
     assert metrics(logdir)[-1]["step"] == resumed_at + 100
