@@ -174,24 +174,29 @@ COMPILERS = {True: compile_steps, False: None, "update": compile_update}
 
 # -- compile auto: whether compiling pays for the run at hand ----------------------------------------
 #
-# On a CPU `compile auto` compiles when the run is predicted to make enough updates for the time
-# compile saves to repay its warm-up: predicted updates x saved seconds per update > warm-up seconds.
-# Measured with benchmarks/train_speed.py on a shared 2-core CPU (AVX2), one torch thread, batch
-# 16x64, float32:
-#   recipe2024 size1m, dmc_cartpole_balance: eager 1.42-1.49 s/update, --compile True 1.06-1.16 s
-#     (0.33 s saved; ~2.9e10 FLOPs per update by update_flops); with --compare (torch 2.13): eager
-#     1.69 s, compiled 1.07 s, warm-up of the first 2 updates 4.7 s eager and 377 s compiled;
-#   v1 default size, dmc_proprio walker: eager 11.61 s, compiled 10.58 s (1.03 s saved; ~5.0e11
-#     FLOPs), for 80 s more warm-up.
-# The saved time per estimated FLOP is the smaller (1.03 / 5.0e11 = 2.1e-12 s; size1m's is 1.1e-11)
-# and the warm-up the larger (~370 s), so that the rule errs towards eager, which costs no warm-up.
-# compile 'update' (the whole update) is not chosen on a CPU: at recipe2024 size1m, 16x64, it saved more
-# (eager 1.71 s, compiled 0.96 s) for a warm-up of 1,399 s, and nothing at other sizes was measured to
-# scale the rule by; a long CPU run can ask for it.
+# On a CPU `compile auto` compiles the whole update (under torchrun, which refuses it: step by step)
+# when the run is predicted to make enough updates for the time compile saves to repay its warm-up:
+# predicted updates x saved seconds per update > warm-up seconds. The saved seconds are estimated
+# from the update's FLOPs (update_flops) at the smallest saving per FLOP measured, so that the rule
+# errs towards eager, which costs no warm-up. Measured with benchmarks/train_speed.py --compare on the
+# 2-core CPU (AVX2), one torch thread, batch 16x64, float32, Inductor's cache emptied first, the
+# other core running one single-threaded job (benchmarks/README, train_speed.py):
+#   the whole update (--compile update, recurrences compiled in chunks; 2026-12-05, torch 2.13):
+#     recipe2024 size1m, dmc_cartpole_balance: eager 1.027 s/update, compiled 0.561 s (0.466 s saved
+#       per ~2.9e10 FLOPs: 1.6e-11 s each); warm-up of the first 2 updates 2.3 s eager, 289.3 s compiled;
+#     v1 default size, dmc_proprio walker: eager 6.037 s, compiled 5.321 s (0.716 s saved per ~5.0e11
+#       FLOPs: 1.44e-12 s each); warm-up 18.2 s eager, 289.7 s compiled.
+#   step by step (--compile True; 2026-12-01, an older commit, a more loaded machine):
+#     recipe2024 size1m: eager 1.69 s, compiled 1.07 s, warm-up 4.7 s and 377 s;
+#     v1 default size: eager 11.61 s, compiled 10.58 s (1.03 s saved per ~5.0e11 FLOPs: 2.1e-12 s each).
+# The small model gains most per FLOP (its update is mostly operator overhead, which compiling removes),
+# so the rule underestimates its gain, and compiles it only on a long run.
 # Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
 # underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
-COMPILE_SAVED_S_PER_FLOP = 2.1e-12
-COMPILE_WARMUP_S = 370.0
+COMPILE_COSTS = {  # what compile auto may choose on a CPU: (seconds saved per FLOP, warm-up seconds)
+    "update": (1.44e-12, 290.0),  # v1 default's saving, size1m's warm-up (289.3 - 2.3, the larger)
+    True: (2.1e-12, 370.0),  # under torchrun only: v1 default's saving, size1m's warm-up (377 - 4.7)
+}
 
 
 def parameter_counts(obs_space, act_space, config):
@@ -216,23 +221,30 @@ def update_flops(config, counts):
             + imagined * (2 * counts["rssm"] + 6 * counts["actor"] + 8 * counts["critic"]))
 
 
-def compile_choice(config, counts, saved_s_per_flop=COMPILE_SAVED_S_PER_FLOP, warmup_s=COMPILE_WARMUP_S):
-    """What `compile auto` settles to, and why: (decision, reason). On CUDA always (fused kernels,
-    fewer launches); on a CPU by the rule above, for the parameter counts `counts` (None: the model
-    is not known, eager)."""
+def compile_choice(config, counts, saved_s_per_flop=None, warmup_s=None):
+    """What `compile auto` settles to, and why: (decision, reason). On CUDA always the whole update
+    (fused kernels, fewer launches; step by step under torchrun); on a CPU by the rule above, for the
+    parameter counts `counts` (None: the model is not known, eager). `saved_s_per_flop` and `warmup_s`
+    replace the measured COMPILE_COSTS."""
+    found = launch.torchrun_rank()
+    ranks = found is not None and found[1] > 1  # compile_update refuses to run under torchrun
     if torch.device(config.device).type == "cuda":
-        found = launch.torchrun_rank()
-        if found is not None and found[1] > 1:  # compile_update refuses to run under torchrun
+        if ranks:
             return True, "on CUDA under torchrun the steps are compiled, with fewer launches per update"
         return "update", "on CUDA the whole update runs as a few CUDA graphs, with the fewest launches"
     if counts is None:
         return False, "on a CPU without the model to estimate its gain"
+    kind = True if ranks else "update"
+    measured_saving, measured_warmup = COMPILE_COSTS[kind]
+    saved_s_per_flop = measured_saving if saved_s_per_flop is None else saved_s_per_flop
+    warmup_s = measured_warmup if warmup_s is None else warmup_s
     updates = tools.total_updates(config)
     saved = saved_s_per_flop * update_flops(config, counts)
-    decision = updates * saved > warmup_s
+    decision = kind if updates * saved > warmup_s else False
+    what = "step by step (torchrun)" if kind is True else "the whole update"
     verdict = "more" if decision else "less"
     return decision, (f"on a CPU: {updates:,} updates x ~{saved:.3g} s saved each = {updates * saved:,.0f} s, "
-                      f"{verdict} than the ~{warmup_s:.0f} s warm-up")
+                      f"{verdict} than the ~{warmup_s:.0f} s warm-up of compiling {what}")
 
 
 def resolve_auto(config, act_space, obs_space=None):

@@ -257,6 +257,19 @@ def test_print_config_prints_the_settled_config_as_yaml_and_writes_nothing(tmp_p
     assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: Invalid value '0' for --batch_size")
 
 
+def test_print_config_settles_compile_auto_on_cuda(monkeypatch, capsys):
+    """On CUDA --compile auto settles before a run is built (compilation.compile_choice): the whole update.
+    CUDA is stood in for here: launch.cuda_problem says the device can be used."""
+    from ruamel.yaml import YAML
+
+    import launch
+
+    monkeypatch.setattr(launch, "cuda_problem", lambda device: None)
+    dreamer.main(["--configs", "debug", "--device", "cuda:0", "--compile", "auto", "--print_config"])
+    printed = YAML(typ="safe", pure=True).load(capsys.readouterr().out)
+    assert (printed["device"], printed["compile"]) == ("cuda:0", "update")
+
+
 def test_help_keeps_the_sections_of_configs_yaml():
     text = cfg.usage()
     headings = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")

@@ -256,7 +256,7 @@ def test_cpu_runs_a_short_run_eager_unless_compile_is_asked_for_and_the_warm_up_
     dreamer.main([*common, "--compile", "auto", "--logdir", str(tmp_path / "auto")])
     out = capsys.readouterr().out
     assert "Compile: off (auto: on a CPU: 4 updates x ~" in out
-    assert "less than the ~370 s warm-up; --compile True compiles)" in out
+    assert "less than the ~290 s warm-up of compiling the whole update; --compile update compiles)" in out
     assert "compile warm-up" not in out
 
     monkeypatch.setitem(compilation.COMPILERS, True, lambda agent, bodies: ["stub"])
