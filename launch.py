@@ -170,7 +170,8 @@ class Stops:
     so each worker gets one stop twice within milliseconds). A loop that does not reach its safe
     point within `deadline` seconds of the first signal (a long evaluation) is stopped as a second
     signal would, again every second until it is: a raise that a cleanup swallowed comes back.
-    Handlers are installed for the `with` block (main thread only), and only when `enabled`."""
+    Handlers are installed for the `with` block (main thread only), and only when `enabled`; once a stop
+    was noted they stay past it, for the run's closing, and whoever installed the ones before puts them back."""
 
     CODES = {signal.SIGINT: 1, signal.SIGTERM: 2}  # exchanged by max: SIGTERM wins over Ctrl-C
 
