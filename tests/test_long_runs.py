@@ -160,6 +160,16 @@ def test_old_episode_files_load_beside_chunks_and_a_missing_chunk_ends_the_parti
     assert capsys.readouterr().err == ""
 
 
+@pytest.fixture
+def handlers():
+    """The SIGTERM and SIGINT handlers before the test, put back after it as dreamer.main does once a run has
+    closed (a stop leaves launch.Stops' handler in place)."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    yield before
+    signal.signal(signal.SIGTERM, before[0])
+    signal.signal(signal.SIGINT, before[1])
+
+
 class Term(Exception):
     pass
 
@@ -168,8 +178,8 @@ class Int(Exception):
     pass
 
 
-def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_once():
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_once(handlers):
+    before = handlers
     # A window wide enough that a loaded machine's stall between the two kills stays inside it.
     stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, repeat_after=2.0)
     with stops:
@@ -194,7 +204,7 @@ def test_stops_note_a_signal_take_repeats_as_one_and_a_later_second_stops_at_onc
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-def test_a_burst_of_signals_is_one_request_that_no_cleanup_can_swallow():
+def test_a_burst_of_signals_is_one_request_that_no_cleanup_can_swallow(handlers):
     """a682c18's single process raised from the handler wherever the main thread was: two SIGTERMs
     0.05 s apart landed in a video writer's cleanup, Python discarded the exception ("Exception
     ignored in ...") and the run went on to its end. Now the handler only notes the request."""
@@ -202,7 +212,6 @@ def test_a_burst_of_signals_is_one_request_that_no_cleanup_can_swallow():
         def __del__(self):
             os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside a finaliser
 
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, deadline=None)
     with stops:
         for _ in range(5):
@@ -211,12 +220,9 @@ def test_a_burst_of_signals_is_one_request_that_no_cleanup_can_swallow():
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)
         assert stops.code == 2  # one request, kept: SIGTERM wins
-    signal.signal(signal.SIGTERM, before[0])  # what dreamer.main does once the run has closed
-    signal.signal(signal.SIGINT, before[1])
 
 
-def test_a_loop_that_misses_its_safe_point_is_stopped_at_the_deadline_again_until_it_stops():
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+def test_a_loop_that_misses_its_safe_point_is_stopped_at_the_deadline_again_until_it_stops(handlers):
     stops = launch.Stops({signal.SIGTERM: Term, signal.SIGINT: Int}, deadline=0.2)
     raised, start = 0, time.monotonic()
     with stops:
@@ -227,8 +233,6 @@ def test_a_loop_that_misses_its_safe_point_is_stopped_at_the_deadline_again_unti
             except Term:
                 raised += 1  # the first is swallowed, as a cleanup would: it comes back
     assert raised == 2 and stops.code == 2
-    signal.signal(signal.SIGTERM, before[0])
-    signal.signal(signal.SIGINT, before[1])
 
 
 def test_a_single_process_acts_on_its_stop_at_any_safe_point_without_a_settle():
