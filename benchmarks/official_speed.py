@@ -16,24 +16,42 @@ dtypes (observations, actions, rewards, the flags, and the replay context's late
 the values. Its own flags: `--official DIR`, `--python PY` (the interpreter with the official requirements),
 `--threads N` (CPU only, as official.py). The last line printed is `updates_per_s=<number>`. Bad input: one
 line, exit status 2.
+
+`--interleave ROUNDS` times both codes in one run: this project's update as dreamer.py builds it for the same
+command (so `compile auto` settles for the command's `--steps`, as a run of that length would) beside the
+official one, in ROUNDS alternating rounds of `--updates` updates (the other code waits meanwhile), one thread
+each; both warm up at once. The last line is `ratio=<official seconds per update / the project's>`:
+
+    python3 benchmarks/official_speed.py --official ~/dreamerv3 --python ~/dreamerv3/venv/bin/python \
+        --interleave 5 --updates 5 --warmup 2 --configs dmc_proprio recipe2024 size1m \
+        --task dmc_cartpole_balance --steps 2e4 --device cpu
 """
 
 import argparse
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))  # last: benchmarks/envs.py must not shadow envs
 sys.path.insert(0, str(ROOT))
 
 import official  # noqa: E402
+import torch  # noqa: E402
+import train_speed  # noqa: E402
 
-# Run by the official interpreter: argv = checkout, warm-up updates, timed updates, official flags...
+import config as cfg  # noqa: E402
+import dreamer  # noqa: E402
+import launch  # noqa: E402
+
+# Run by the official interpreter: argv = checkout, warm-up updates, timed updates, "serve" or "once", official
+# flags...
 OFFICIAL_SIDE = official.KEEP_XLA_FLAGS + r'''
 import time
-warmup, updates, flags = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+warmup, updates, serve, flags = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "serve", sys.argv[5:]
 from embodied.jax import internal
 import elements, jax
 import numpy as np
@@ -90,11 +108,22 @@ for data in batches[:warmup]:
     carry, _, _ = agent.train(carry, data)
 jax.block_until_ready((agent.params, carry))
 warmup_s = time.perf_counter() - start
-start = time.perf_counter()
-for data in batches[warmup:]:
-    carry, _, metrics = agent.train(carry, data)
-jax.block_until_ready((agent.params, carry))
-seconds = (time.perf_counter() - start) / updates
+def timed():
+    global carry
+    start = time.perf_counter()
+    for data in batches[warmup:]:
+        carry, _, _ = agent.train(carry, data)
+    jax.block_until_ready((agent.params, carry))
+    return (time.perf_counter() - start) / updates
+if serve:  # interleaved with the project's rounds: one round per line read, its seconds per update back
+    print(f"ready build_s={build_s:.2f} warmup_s={warmup_s:.2f}", flush=True)
+    rounds = []
+    for _ in iter(sys.stdin.readline, ""):
+        rounds.append(timed())
+        print(f"round {rounds[-1]:.6f}", flush=True)
+    seconds = sorted(rounds)[len(rounds) // 2]
+else:
+    seconds = timed()
 losses = {k: float(np.mean(v)) for k, v in agent._take_outs(agent.pending_mets).items() if k.startswith("loss/")}
 assert losses and all(np.isfinite(v) for v in losses.values()), losses
 params = sum(int(np.prod(v.shape)) for v in agent.params.values())
@@ -116,12 +145,14 @@ def parse_args(argv):
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="time this project's update too, alternating ROUNDS rounds of --updates updates")
     return parser.parse_known_args(argv)
 
 
 def command(args, rest, logdir):
     """(the official interpreter's command, its environment) for a project command line."""
-    for name in ("updates", "warmup", "threads"):
+    for name in ("updates", "warmup", "threads") + (("interleave",) if args.interleave else ()):
         if getattr(args, name) < 1:
             raise official.OfficialError(f"--{name} {getattr(args, name)}: give a whole number >= 1")
     if args.official is None:
@@ -132,7 +163,93 @@ def command(args, rest, logdir):
     flags = official.official_flags(config, suite, size, logdir)
     root = str(args.official.resolve())
     env = official.environment(args.threads, logdir, config.device)
-    return [args.python, "-c", OFFICIAL_SIDE, root, str(args.warmup), str(args.updates), *flags], env
+    serve = "serve" if args.interleave else "once"
+    return [args.python, "-c", OFFICIAL_SIDE, root, str(args.warmup), str(args.updates), serve, *flags], env
+
+
+def interleaved(args, rest, cmd, env, logdir):
+    """Both codes' seconds per update, timed in alternate rounds (while one code is timed the other
+    waits, so that a shared machine's load falls on both alike): the project's update as dreamer.py
+    builds it for the command (compile as `auto` settles it for the command's --steps), on batches
+    of one environment's random-action replay (train_speed.py's), and the official one (its side in
+    serve mode). Both warm up at once, one core each. Prints a table and `ratio=<official s/update
+    over the project's>`; returns the exit status."""
+    log = open(logdir / "official_side.log", "w")
+    side = subprocess.Popen(cmd, env=env, cwd=cmd[3], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                            text=True)
+
+    def official_line(want):
+        line = side.stdout.readline()
+        if not line.startswith(want):
+            raise SideFailed(f"official_speed.py: the official side stopped before '{want}' (it wrote {line!r}); "
+                             "the end of its log:")
+        return line.split()
+
+    try:
+        return interleave_rounds(args, rest, side, official_line)
+    except SideFailed as e:
+        side.kill()
+        log.flush()
+        print(e, *(logdir / "official_side.log").read_text().splitlines()[-15:], sep="\n", file=sys.stderr)
+        return 1
+    finally:
+        if side.poll() is None:
+            side.kill()
+        log.close()
+
+
+class SideFailed(RuntimeError):
+    """The official side ended or wrote something else than the protocol's next line."""
+
+
+def interleave_rounds(args, rest, side, official_line):
+    """The project's warm-up, then the alternating rounds, then the table (interleaved's work)."""
+    config, _ = launch.resolve_device(cfg.parse(rest))
+    torch.set_num_threads(args.threads)
+    launch.seed_everything(config.seed, False)
+    torch.set_float32_matmul_precision("high")
+    launch.keep_freed_memory()
+    environment, replay = train_speed.fill_replay(config, max(2 * config.batch_length, 1000))
+    length = config.batch_length + config.replay_context
+    build = time.perf_counter()
+    agent = dreamer.Dreamer(environment.obs_space, environment.act_space, config).to(config.device)
+    for _ in range(args.warmup):
+        agent.update.train_step(replay.sample(config.batch_size, length))
+    warmup_s = time.perf_counter() - build
+    ready = dict(word.split("=") for word in official_line("ready")[1:])
+    project, official_rounds = [], []
+    for _ in range(args.interleave):
+        batches = [replay.sample(config.batch_size, length) for _ in range(args.updates)]
+        start = time.perf_counter()
+        for batch in batches:
+            metrics, _ = agent.update.train_step(batch)
+        float(metrics["model_loss"])
+        project.append((time.perf_counter() - start) / args.updates)
+        side.stdin.write("go\n")
+        side.stdin.flush()
+        official_rounds.append(float(official_line("round")[1]))
+        print(f"round: project {project[-1]:.3f}  official {official_rounds[-1]:.3f} s/update", file=sys.stderr,
+              flush=True)
+    side.stdin.close()
+    summary = side.stdout.read()
+    if side.wait() != 0 or not summary.strip():
+        raise SideFailed(f"official_speed.py: the official side failed after its rounds (exit {side.returncode})")
+    environment.close()
+    compile_note = cfg.compile_note(agent.config, agent.resolved["compile"]) if "compile" in agent.resolved \
+        else f"{agent.config.compile} (given)"
+    print(f"task {config.task}  device {config.device}  threads {args.threads} each  precision {config.precision}  "
+          f"batch {config.batch_size}x{config.batch_length}  torch {torch.__version__}  "
+          f"{args.interleave} rounds x {args.updates} updates after {args.warmup} warm-up updates, alternating")
+    print(f"project compile: {compile_note}")
+    print(summary.strip().splitlines()[0])  # the official side's versions, dtype and sizes
+    mid_project, mid_official = statistics.median(project), statistics.median(official_rounds)
+    print("| code | warm-up s (both at once) | s/update (median; range) |")
+    print("|---|---|---|")
+    print(f"| this project | {warmup_s:.1f} | {mid_project:.3f} ({min(project):.3f}-{max(project):.3f}) |")
+    print(f"| official | {float(ready['build_s']) + float(ready['warmup_s']):.1f} | {mid_official:.3f} "
+          f"({min(official_rounds):.3f}-{max(official_rounds):.3f}) |")
+    print(f"ratio={mid_official / mid_project:.3f}")
+    return 0
 
 
 def main(argv=None):
@@ -143,6 +260,8 @@ def main(argv=None):
         except official.OfficialError as e:
             print(f"official_speed.py: {e}", file=sys.stderr)
             return 2
+        if args.interleave:
+            return interleaved(args, rest, cmd, env, pathlib.Path(logdir))
         return subprocess.call(cmd, env=env, cwd=cmd[3])
 
 

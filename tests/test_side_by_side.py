@@ -198,16 +198,57 @@ def test_official_speed_gives_the_official_interpreter_the_translated_flags(chec
     given = json.loads((tmp_path / "given.json").read_text())
     argv = given["argv"]
     assert argv[0] == "-c" and "agent.train(" in argv[1]  # the official side, timing the official update
-    assert argv[2] == given["cwd"] == str(checkout.resolve()) and argv[3:5] == ["2", "4"]  # warm-up, timed
-    flags = argv[5:]
+    assert argv[2] == given["cwd"] == str(checkout.resolve()) and argv[3:6] == ["2", "4", "once"]  # warm-up, timed
+    flags = argv[6:]
     assert flag(flags, "--configs") == "dmc_proprio" and flags[flags.index("--configs") + 2] == "size1m"
     assert flag(flags, "--task") == "dmc_walker_walk" and flag(flags, "--jax.compute_dtype") == "bfloat16"
     assert (flag(flags, "--batch_size"), flag(flags, "--batch_length")) == ("16", "32")
     assert flag(flags, "--jax.platform") == "cpu" and "--xla_cpu_multi_thread_eigen=false" in given["XLA_FLAGS"]
 
 
+# The official side in serve mode as a stand-in: ready, then one round per line read (0.5 s, 1.5 s, ... per
+# update), then its summary once its input closes; or one that stops after its first round.
+SERVING_PYTHON = """#!{python}
+import sys
+assert sys.argv[6] == "serve", sys.argv[6]  # after -c, the program, checkout, warm-up, updates
+print("ready build_s=10.00 warmup_s=20.00", flush=True)
+for i, _ in enumerate(iter(sys.stdin.readline, "")):
+    if {stop} and i == 1:
+        print("XlaRuntimeError: stand-in", file=sys.stderr)
+        sys.exit(3)
+    print(f"round {{0.5 + i:.6f}}", flush=True)
+print("official code: stand-in")
+print("updates_per_s=1.0000")
+"""
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_interleave_alternates_rounds_of_both_codes_and_reports_their_ratio(checkout, tmp_path, stop):
+    python = tmp_path / "python"
+    python.write_text(SERVING_PYTHON.format(python=sys.executable, stop=stop))
+    python.chmod(0o755)
+    result = run_official_speed("--official", str(checkout), "--python", str(python), "--interleave", "2",
+                                "--updates", "1", "--warmup", "1", *SETTINGS, "--task", "dmc_cartpole_balance")
+    if stop:  # one message and the side's log tail, exit 1, no table
+        assert result.returncode == 1 and "| official |" not in result.stdout
+        assert "the official side stopped before 'round'" in result.stderr and "XlaRuntimeError" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    rounds = [line for line in result.stderr.splitlines() if line.startswith("round: ")]
+    assert len(rounds) == 2 and rounds[1].endswith("official 1.500 s/update")  # each official round after one of ours
+    lines = result.stdout.strip().splitlines()
+    assert lines[1].startswith("project compile: off (auto: on a CPU: ")  # 2K frames: too short to repay compiling
+    assert lines[2] == "official code: stand-in"
+    ours = next(line for line in lines if line.startswith("| this project |"))
+    theirs = next(line for line in lines if line.startswith("| official |"))
+    assert theirs == "| official | 30.0 | 1.000 (0.500-1.500) |"  # build + warm-up; median and range of 0.5, 1.5
+    project = float(ours.split("|")[3].split()[0])  # its median, to 3 decimals
+    assert lines[-1].startswith("ratio=") and float(lines[-1][6:]) == pytest.approx(1.0 / project, rel=3e-3)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--official", "CHECKOUT", "--updates", "0"], "--updates 0: give a whole number >= 1"),
+    (["--official", "CHECKOUT", "--interleave", "-1"], "--interleave -1: give a whole number >= 1"),
     (["--official", "/nonexistent"], "no dreamerv3/main.py there"),
     ([], "Missing --official DIR"),
     (["--official", "CHECKOUT", "--task", "atari_pong"], "one DMC task"),
