@@ -176,26 +176,32 @@ COMPILERS = {True: compile_steps, False: None, "update": compile_update}
 #
 # On a CPU `compile auto` compiles the whole update (under torchrun, which refuses it: step by step)
 # when the run is predicted to make enough updates for the time compile saves to repay its warm-up:
-# predicted updates x saved seconds per update > warm-up seconds. The saved seconds are estimated
-# from the update's FLOPs (update_flops) at the smallest saving per FLOP measured, so that the rule
-# errs towards eager, which costs no warm-up. Measured with benchmarks/train_speed.py --compare on the
-# 2-core CPU (AVX2), one torch thread, batch 16x64, float32, Inductor's cache emptied first, the
-# other core running one single-threaded job (benchmarks/README, train_speed.py):
-#   the whole update (--compile update, recurrences compiled in chunks; 2026-12-05, torch 2.13):
-#     recipe2024 size1m, dmc_cartpole_balance: eager 1.027 s/update, compiled 0.561 s (0.466 s saved
-#       per ~2.9e10 FLOPs: 1.6e-11 s each); warm-up of the first 2 updates 2.3 s eager, 289.3 s compiled;
-#     v1 default size, dmc_proprio walker: eager 6.037 s, compiled 5.321 s (0.716 s saved per ~5.0e11
-#       FLOPs: 1.44e-12 s each); warm-up 18.2 s eager, 289.7 s compiled.
-#   step by step (--compile True; 2026-12-01, an older commit, a more loaded machine):
-#     recipe2024 size1m: eager 1.69 s, compiled 1.07 s, warm-up 4.7 s and 377 s;
-#     v1 default size: eager 11.61 s, compiled 10.58 s (1.03 s saved per ~5.0e11 FLOPs: 2.1e-12 s each).
-# The small model gains most per FLOP (its update is mostly operator overhead, which compiling removes),
-# so the rule underestimates its gain, and compiles it only on a long run.
-# Not measured: more threads, vision models (update_flops counts a conv layer's weights once, an
-# underestimate, so that they too err towards eager) and Plan2Explore's ensemble.
-COMPILE_COSTS = {  # what compile auto may choose on a CPU: (seconds saved per FLOP, warm-up seconds)
-    "update": (1.44e-12, 290.0),  # v1 default's saving, size1m's warm-up (289.3 - 2.3, the larger)
-    True: (2.1e-12, 370.0),  # under torchrun only: v1 default's saving, size1m's warm-up (377 - 4.7)
+# predicted updates x saved seconds per update > warm-up seconds. The saving is estimated as
+#     seconds per replayed step x batch_size x batch_length + seconds per FLOP x update_flops,
+# the two constants fitted to the two measured model sizes: a part that grows with the replayed steps
+# whatever the model's width (the operators' per-call overhead and the elementwise passes over memory
+# that compiling fuses away: the small model's update is mostly these) and a part that grows with
+# the arithmetic. Measured with benchmarks/train_speed.py --compare on the 2-core CPU (AVX2), one
+# torch thread, float32, Inductor's cache emptied first, the other core running one single-threaded
+# job (benchmarks/README, train_speed.py):
+#   the whole update (--compile update, recurrences compiled in chunks; 2026-12-05/06, torch 2.13):
+#     recipe2024 size1m, dmc_cartpole_balance, batch 16x64 (2.868e10 FLOPs): eager 1.027 s/update,
+#       compiled 0.561 s (0.466 s saved); warm-up of the first 2 updates 2.3 s eager, 289.3 s compiled;
+#     v1 default size, dmc_proprio walker, 16x64 (4.978e11 FLOPs): eager 6.037 s, compiled 5.321 s
+#       (0.716 s saved); warm-up 18.2 s eager, 289.7 s compiled.
+#     Fit: 0.250 s / 4.691e11 FLOPs = 5.33e-13 s per FLOP; (0.466 - 0.0153) s / 1024 = 4.40e-4 s per step.
+#     Check: size1m at 16x32 (1.434e10 FLOPs) saved 0.221 s (eager 0.503, compiled 0.282); the fit
+#       predicts 0.233 s (+5%); its warm-up was 286.6 s.
+#   step by step (--compile True; 2026-12-01, an older commit, a more loaded machine, 16x64):
+#     recipe2024 size1m: eager 1.69 s, compiled 1.07 s (0.62 s saved), warm-up 4.7 s and 377 s;
+#     v1 default size: eager 11.61 s, compiled 10.58 s (1.03 s saved).
+#     Fit: 0.41 s / 4.691e11 = 8.74e-13 s per FLOP; (0.62 - 0.0251) s / 1024 = 5.81e-4 s per step.
+# Not measured: other imagination horizons than 15, more threads, vision models (update_flops counts a
+# conv layer's weights once, an underestimate) and Plan2Explore's ensemble.
+COMPILE_COSTS = {  # what compile auto may choose on a CPU:
+    # (seconds saved per replayed step, seconds saved per FLOP, warm-up seconds)
+    "update": (4.40e-4, 5.33e-13, 290.0),  # warm-up: size1m's at 16x64 (289.3 - 2.3, the largest)
+    True: (5.81e-4, 8.74e-13, 370.0),  # under torchrun only; warm-up: size1m's (377 - 4.7)
 }
 
 
@@ -221,11 +227,18 @@ def update_flops(config, counts):
             + imagined * (2 * counts["rssm"] + 6 * counts["actor"] + 8 * counts["critic"]))
 
 
-def compile_choice(config, counts, saved_s_per_flop=None, warmup_s=None):
+def update_saving(config, counts, costs):
+    """Estimated seconds one compiled update saves on a CPU, by the rule above: (seconds per replayed
+    step, seconds per FLOP) = costs."""
+    per_step, per_flop = costs
+    return per_step * config.batch_size * config.batch_length + per_flop * update_flops(config, counts)
+
+
+def compile_choice(config, counts, costs=None, warmup_s=None):
     """What `compile auto` settles to, and why: (decision, reason). On CUDA always the whole update
     (fused kernels, fewer launches; step by step under torchrun); on a CPU by the rule above, for the
-    parameter counts `counts` (None: the model is not known, eager). `saved_s_per_flop` and `warmup_s`
-    replace the measured COMPILE_COSTS."""
+    parameter counts `counts` (None: the model is not known, eager). `costs` ((seconds per replayed
+    step, seconds per FLOP)) and `warmup_s` replace the measured COMPILE_COSTS."""
     found = launch.torchrun_rank()
     ranks = found is not None and found[1] > 1  # compile_update refuses to run under torchrun
     if torch.device(config.device).type == "cuda":
@@ -235,11 +248,11 @@ def compile_choice(config, counts, saved_s_per_flop=None, warmup_s=None):
     if counts is None:
         return False, "on a CPU without the model to estimate its gain"
     kind = True if ranks else "update"
-    measured_saving, measured_warmup = COMPILE_COSTS[kind]
-    saved_s_per_flop = measured_saving if saved_s_per_flop is None else saved_s_per_flop
+    *measured_costs, measured_warmup = COMPILE_COSTS[kind]
+    costs = measured_costs if costs is None else costs
     warmup_s = measured_warmup if warmup_s is None else warmup_s
     updates = tools.total_updates(config)
-    saved = saved_s_per_flop * update_flops(config, counts)
+    saved = update_saving(config, counts, costs)
     decision = kind if updates * saved > warmup_s else False
     what = "step by step (torchrun)" if kind is True else "the whole update"
     verdict = "more" if decision else "less"
