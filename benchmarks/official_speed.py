@@ -112,7 +112,7 @@ def timed():
     global carry
     start = time.perf_counter()
     for data in batches[warmup:]:
-        carry, _, _ = agent.train(carry, data)
+        carry, _, _ = agent.train(carry, dict(data))  # train pops the seed: each round needs its own dict
     jax.block_until_ready((agent.params, carry))
     return (time.perf_counter() - start) / updates
 if serve:  # interleaved with the project's rounds: one round per line read, its seconds per update back
@@ -174,23 +174,24 @@ def interleaved(args, rest, cmd, env, logdir):
     of one environment's random-action replay (train_speed.py's), and the official one (its side in
     serve mode). Both warm up at once, one core each. Prints a table and `ratio=<official s/update
     over the project's>`; returns the exit status."""
-    log = open(logdir / "official_side.log", "w")
+    log = open(logdir / "official_side.err", "w")
     side = subprocess.Popen(cmd, env=env, cwd=cmd[3], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                             text=True)
 
     def official_line(want):
-        line = side.stdout.readline()
-        if not line.startswith(want):
-            raise SideFailed(f"official_speed.py: the official side stopped before '{want}' (it wrote {line!r}); "
-                             "the end of its log:")
-        return line.split()
+        """The side's next protocol line that starts with `want`, as words (the official code's own
+        printing, its spaces and parameter tables, passes by)."""
+        for line in iter(side.stdout.readline, ""):
+            if line.startswith(want):
+                return line.split()
+        raise SideFailed(f"official_speed.py: the official side ended before '{want}'; the end of its errors:")
 
     try:
         return interleave_rounds(args, rest, side, official_line)
     except SideFailed as e:
         side.kill()
-        log.flush()
-        print(e, *(logdir / "official_side.log").read_text().splitlines()[-15:], sep="\n", file=sys.stderr)
+        side.wait()
+        print(e, *(logdir / "official_side.err").read_text().splitlines()[-15:], sep="\n", file=sys.stderr)
         return 1
     finally:
         if side.poll() is None:
@@ -231,17 +232,16 @@ def interleave_rounds(args, rest, side, official_line):
         print(f"round: project {project[-1]:.3f}  official {official_rounds[-1]:.3f} s/update", file=sys.stderr,
               flush=True)
     side.stdin.close()
-    summary = side.stdout.read()
-    if side.wait() != 0 or not summary.strip():
+    summary = official_line("official code:")
+    if side.wait() != 0:
         raise SideFailed(f"official_speed.py: the official side failed after its rounds (exit {side.returncode})")
     environment.close()
-    compile_note = cfg.compile_note(agent.config, agent.resolved["compile"]) if "compile" in agent.resolved \
-        else f"{agent.config.compile} (given)"
+    compile_note = cfg.compile_note(agent.config, agent.resolved.get("compile"))  # None: given, not auto
     print(f"task {config.task}  device {config.device}  threads {args.threads} each  precision {config.precision}  "
           f"batch {config.batch_size}x{config.batch_length}  torch {torch.__version__}  "
           f"{args.interleave} rounds x {args.updates} updates after {args.warmup} warm-up updates, alternating")
     print(f"project compile: {compile_note}")
-    print(summary.strip().splitlines()[0])  # the official side's versions, dtype and sizes
+    print(" ".join(summary))  # the official side's versions, dtype and sizes
     mid_project, mid_official = statistics.median(project), statistics.median(official_rounds)
     print("| code | warm-up s (both at once) | s/update (median; range) |")
     print("|---|---|---|")

@@ -207,12 +207,16 @@ def test_official_speed_gives_the_official_interpreter_the_translated_flags(chec
 
 
 # The official side in serve mode as a stand-in: ready, then one round per line read (0.5 s, 1.5 s, ... per
-# update), then its summary once its input closes; or one that stops after its first round.
+# update), then its summary once its input closes; or one that stops after its first round. Both print other
+# lines too, as the official code does.
 SERVING_PYTHON = """#!{python}
 import sys
 assert sys.argv[6] == "serve", sys.argv[6]  # after -c, the program, checkout, warm-up, updates
+print("Observations")  # as the official agent prints its spaces
+print("  vector  Space(float32, shape=(5,))")
 print("ready build_s=10.00 warmup_s=20.00", flush=True)
 for i, _ in enumerate(iter(sys.stdin.readline, "")):
+    print("Optimizer opt has 637,446 params")
     if {stop} and i == 1:
         print("XlaRuntimeError: stand-in", file=sys.stderr)
         sys.exit(3)
@@ -231,7 +235,7 @@ def test_interleave_alternates_rounds_of_both_codes_and_reports_their_ratio(chec
                                 "--updates", "1", "--warmup", "1", *SETTINGS, "--task", "dmc_cartpole_balance")
     if stop:  # one message and the side's log tail, exit 1, no table
         assert result.returncode == 1 and "| official |" not in result.stdout
-        assert "the official side stopped before 'round'" in result.stderr and "XlaRuntimeError" in result.stderr
+        assert "the official side ended before 'round'" in result.stderr and "XlaRuntimeError" in result.stderr
         return
     assert result.returncode == 0, result.stderr
     rounds = [line for line in result.stderr.splitlines() if line.startswith("round: ")]
