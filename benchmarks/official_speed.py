@@ -206,12 +206,7 @@ class SideFailed(RuntimeError):
 def interleave_rounds(args, rest, side, official_line):
     """The project's warm-up, then the alternating rounds, then the table (interleaved's work)."""
     config, _ = launch.resolve_device(cfg.parse(rest))
-    torch.set_num_threads(args.threads)
-    launch.seed_everything(config.seed, False)
-    torch.set_float32_matmul_precision("high")
-    launch.keep_freed_memory()
-    environment, replay = train_speed.fill_replay(config, max(2 * config.batch_length, 1000))
-    length = config.batch_length + config.replay_context
+    environment, replay, length = train_speed.prepare(config, args.threads)
     build = time.perf_counter()
     agent = dreamer.Dreamer(environment.obs_space, environment.act_space, config).to(config.device)
     for _ in range(args.warmup):

@@ -74,6 +74,20 @@ def fill_replay(config, steps):
     return env, replay
 
 
+def prepare(config, threads, malloc_tuning=True):
+    """The process set up as dreamer.py sets up a run (torch threads, 0: torch's default; seeds, matmul
+    precision, glibc's allocator) and a replay to time updates on: (environment, replay, length of a
+    sampled sequence)."""
+    if threads:
+        torch.set_num_threads(threads)
+    launch.seed_everything(config.seed, False)
+    torch.set_float32_matmul_precision("high")
+    if malloc_tuning:
+        launch.keep_freed_memory()
+    env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
+    return env, replay, config.batch_length + config.replay_context  # the context steps only give the start latent
+
+
 def peak_memory_mb(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -272,14 +286,7 @@ def main(argv=None):
             cfg.parse([*rest, "--compile", mode])
     except tools.ConfigError as e:
         cfg.fail(str(e))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    launch.seed_everything(config.seed, False)
-    torch.set_float32_matmul_precision("high")
-    if not args.no_malloc_tuning:
-        launch.keep_freed_memory()
-    env, replay = fill_replay(config, max(2 * config.batch_length, 1000))
-    length = config.batch_length + config.replay_context  # the context steps only give the start latent
+    env, replay, length = prepare(config, args.threads, malloc_tuning=not args.no_malloc_tuning)
     if args.compare:
         compare(args, config, env, replay, length)
         env.close()
