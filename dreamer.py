@@ -354,7 +354,7 @@ class Dreamer(nn.Module):
             regions += self.expl_behavior.regions()
         return regions
 
-    def extrinsic_reward(self, feat, state, action):  # models.ActorCritic's reward_fn: (reward, metrics)
+    def extrinsic_reward(self, feat, action):  # models.ActorCritic's reward_fn: (reward, metrics)
         return self.wm.heads["reward"](feat).mean(), {}
 
     @torch.no_grad()

@@ -125,7 +125,7 @@ class Plan2Explore(nn.Module):
             preds = self.ensemble(inputs.reshape(-1, inputs.shape[-1]).float())  # (K, N, D)
         return preds.var(0).mean(-1).reshape(lead)
 
-    def intrinsic_reward(self, feat, state, action):  # (H, N, ...) -> (H, N), metrics
+    def intrinsic_reward(self, feat, action):  # (H, N, ...) -> (H, N), metrics
         """Reward of the exploration actor-critic for imagined states, and the intrinsic part's
         mean, std and max; action[t] is the action taken at feat[t], as in the ensemble's
         training pairs."""

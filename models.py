@@ -287,20 +287,20 @@ def rollout(rssm, actor, state, steps, through_dynamics):
     dynamics with their gradient only when `through_dynamics`.
 
     Returns the state reached and, for the `steps` states it started from, a tuple of feat (K, N, F),
-    state dict (K, N, ...), action (K, N, A) and the actor's raw outputs (K, N, D), kept so that
-    the actor loss need not run the actor again.
+    action (K, N, A) and the actor's raw outputs (K, N, D), kept so that the actor loss need not
+    run the actor again. The states themselves are not kept: everything after the rollout reads
+    the features, and stacking the states too would copy the deterministic state twice more.
     """
-    feats, states, actions, outs = [], [], [], []
+    feats, actions, outs = [], [], []
     for _ in range(steps):
         feat, out, action = act_in(rssm, actor, state)
         feats.append(feat)
-        states.append(state)
         actions.append(action)
         outs.append(out)
         with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):  # else no graph is recorded
             state = rssm.img_step(state, action if through_dynamics else action.detach())
     stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
-    return state, (stack(feats), networks.stack_steps(states, 0), stack(actions), stack(outs))
+    return state, (stack(feats), stack(actions), stack(outs))
 
 
 def act_in(rssm, actor, state):
@@ -313,7 +313,7 @@ def act_in(rssm, actor, state):
 class ActorCritic(nn.Module):
     """Actor and critic trained on trajectories imagined by the world model (Section 3).
 
-    `reward_fn(feat, state, action) -> (reward (H, N), metrics)` supplies the reward of imagined
+    `reward_fn(feat, action) -> (reward (H, N), metrics)` supplies the reward of imagined
     states 1..H, so that the same class serves the task (extrinsic reward) and Plan2Explore
     (intrinsic reward); its metrics are returned with the loss's, not kept as a side effect, so
     that a compiled loss has none. It holds no optimizer:
@@ -339,18 +339,18 @@ class ActorCritic(nn.Module):
     def imagine(self, start):
         """Roll the policy out for imag_horizon steps H from every start state (N, ...), in chunks of
         networks.chunk_length(H) steps (imagine_steps, which compile 'update' compiles as one
-        graph). Returns feat (H+1, N, F), state dict (H+1, N, ...), action (H+1, N, A) and the
-        actor's raw outputs (H+1, N, D) (see `rollout`); the action at the last state is sampled
-        too but never executed."""
+        graph). Returns feat (H+1, N, F), action (H+1, N, A) and the actor's raw outputs
+        (H+1, N, D) (see `rollout`); the action at the last state is sampled too but never
+        executed."""
         horizon = self.config.imag_horizon
         size, state, chunks = networks.chunk_length(horizon), start, []
         for _ in range(0, horizon, size):
             state, chunk = self.imagine_steps(state, size)
             chunks.append(chunk)
         feat, out, action = act_in(self.wm[0].rssm, self.actor, state)
-        chunks.append((feat[None], {k: v[None] for k, v in state.items()}, action[None], out[None]))
-        feats, states, actions, outs = zip(*chunks)
-        return torch.cat(feats), networks.cat_steps(states, 0), torch.cat(actions), torch.cat(outs)
+        chunks.append((feat[None], action[None], out[None]))
+        feats, actions, outs = zip(*chunks)
+        return torch.cat(feats), torch.cat(actions), torch.cat(outs)
 
     def imagine_steps(self, state, steps):
         """`steps` steps of the rollout from `state` (N, ...); see `rollout`. REINFORCE needs no
@@ -370,10 +370,10 @@ class ActorCritic(nn.Module):
         pass of its own on the detached features. The callers freeze the world model where its
         weights would otherwise receive the actor's dynamics gradient (Update.train_step)."""
         with precision.autocast(self.config), profiled("imagination"):
-            feat, state, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
-        return self.imagined_loss(feat, state, action, policy_out, start_cont)
+            feat, action, policy_out = self.imagine(start)  # feat (H+1, N, F)
+        return self.imagined_loss(feat, action, policy_out, start_cont)
 
-    def imagined_loss(self, feat, state, action, policy_out, start_cont):
+    def imagined_loss(self, feat, action, policy_out, start_cont):
         """`loss` from the imagined trajectories (`imagine`'s outputs, (H+1, N, ...))."""
         config = self.config
         wm = self.wm[0]
@@ -383,8 +383,7 @@ class ActorCritic(nn.Module):
                 # REINFORCE needs no gradient through the rewards and values of imagined states.
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
                     # Rewards of the states reached, steps 1..H: (H, N).
-                    reward, reward_metrics = self.reward_fn(feat[1:], {k: v[1:] for k, v in state.items()},
-                                                            action[1:])
+                    reward, reward_metrics = self.reward_fn(feat[1:], action[1:])
                     value = self.values(feat)  # (H+1, N)
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float

@@ -561,7 +561,7 @@ def make_actor_critic(*flags, reward_fn=None):
     config, _ = compilation.resolve_auto(make_config(*flags), ACT_SPACE)  # as dreamer.main does before building
     torch.manual_seed(0)
     wm = models.WorldModel(obs_space(), ACT_SPACE, config)
-    reward_fn = reward_fn or (lambda feat, state, action: (wm.heads["reward"](feat).mean(), {}))
+    reward_fn = reward_fn or (lambda feat, action: (wm.heads["reward"](feat).mean(), {}))
     return config, wm, models.ActorCritic(config, wm, ACT_SPACE, reward_fn)
 
 
@@ -759,7 +759,7 @@ def test_actor_loss_onehot_reinforce_without_return_norm():
     config = make_config("--actor.dist", "onehot", "--actor.std", "none", "--imag_gradient", "reinforce",
                          "--reward_EMA", "False", "--actor.entropy", "0.01")
     act_space = gymnasium.spaces.Box(0, 1, (4,), dtype=np.float32)
-    ac = models.ActorCritic(config, wm, act_space, lambda feat, state, action: feat.sum(-1))
+    ac = models.ActorCritic(config, wm, act_space, lambda feat, action: feat.sum(-1))
     gen = torch.Generator().manual_seed(36)
     feat = torch.randn(4, 3, wm.rssm.feat_size, generator=gen)
     action = torch.eye(4)[torch.randint(0, 4, (4, 3), generator=gen)]
@@ -783,12 +783,12 @@ def capture_actor_loss(ac, wm):
     imagine, actor_loss = ac.imagine, ac.actor_loss
 
     def imagined(start):
-        feat, state, action, out = imagine(start)
+        feat, action, out = imagine(start)
         with torch.no_grad():
             seen.update(feat=feat.detach().clone(), value=ac.critic(feat[1:]).mean().clone(),
                         cont=wm.heads["cont"](feat[1:]).mode()[..., 0].clone(),
-                        reward=ac.reward_fn(feat, None, action)[0].clone())
-        return feat, state, action, out
+                        reward=ac.reward_fn(feat, action)[0].clone())
+        return feat, action, out
 
     def recorded(action, returns, weight, *args):
         seen.update(returns=returns.detach().clone(), weight=weight.clone())
@@ -812,7 +812,7 @@ def behavior_update(config, wm, ac, start, start_cont):
 
 def test_train_step_weight_and_returns_against_reference():
     config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--discount", "0.9", "--discount_lambda", "0.8",
-                                       reward_fn=lambda feat, state, action: (feat[..., :3].sum(-1), {}))
+                                       reward_fn=lambda feat, action: (feat[..., :3].sum(-1), {}))
     perturb(ac.slow_critic, 37)
     with torch.no_grad():  # a continue head that predicts both outcomes
         wm.heads["cont"].out.bias.fill_(0.2)
@@ -841,7 +841,7 @@ def test_actor_gradient_reaches_the_bootstrap_value(mode):
     """With zero rewards and no entropy bonus, the return is made of critic values only; the actor
     must still learn from it (dynamics: backprop through the values of imagined states)."""
     config, wm, ac = make_actor_critic("--critic.outscale", "1.0", "--actor.entropy", "0.0", "--imag_gradient",
-                                       mode, reward_fn=lambda feat, state, action: (feat.sum(-1) * 0.0, {}))
+                                       mode, reward_fn=lambda feat, action: (feat.sum(-1) * 0.0, {}))
     perturb(ac.slow_critic, 38)
     metrics = behavior_update(config, wm, ac, start_states(wm, n=6), torch.ones(6))
     assert metrics["actor_grad_norm"].item() > 1e-6

@@ -385,7 +385,7 @@ def test_auto_actor_dist_and_imag_gradient_follow_the_action_space(spaces, discr
     # Behaviour: REINFORCE rollouts record no graph through the dynamics; dynamics rollouts do.
     start = {k: v.detach() for k, v in agent.wm.rssm.initial(3).items()}
     with models.frozen(agent.wm):  # as ActorCritic.loss imagines
-        feat, _, _, _ = agent.task_behavior.imagine(start)
+        feat, _, _ = agent.task_behavior.imagine(start)
     assert feat[-1].requires_grad is (not discrete)
     other = "dynamics" if discrete else "reinforce"
     agent, config = make_agent((obs_space, act_space), "--imag_gradient", other)
@@ -443,9 +443,9 @@ def test_imag_horizon_is_the_length_of_imagined_trajectories(spaces, horizon):
     steps, img_step = [], rssm.img_step
     rssm.img_step = lambda *args, **kwargs: steps.append(1) or img_step(*args, **kwargs)
     with torch.no_grad():
-        feat, state, action, _ = behavior.imagine(rssm.initial(6))
+        feat, action, _ = behavior.imagine(rssm.initial(6))
     assert len(steps) == horizon
-    assert feat.shape[:2] == action.shape[:2] == state["deter"].shape[:2] == (horizon + 1, 6)
+    assert feat.shape[:2] == action.shape[:2] == (horizon + 1, 6)
 
 
 # ----------------------------------------------------------------------------------------------

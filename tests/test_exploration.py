@@ -111,7 +111,7 @@ def test_intrinsic_reward_matches_reference(intr, extr, log, action_cond):
     feat = torch.randn(config.imag_horizon + 1, 7, agent.wm.rssm.feat_size)
     action = torch.rand(config.imag_horizon + 1, 7, 2) * 2 - 1
     with torch.no_grad():
-        reward, stats = p2e.intrinsic_reward(feat, None, action)
+        reward, stats = p2e.intrinsic_reward(feat, action)
         inputs = torch.cat([feat, action], -1) if action_cond else feat
         preds = member_predictions(p2e.ensemble, inputs.reshape(-1, inputs.shape[-1]))
         mean = preds.mean(0)
@@ -133,7 +133,7 @@ def test_log_disagreement_stays_finite_when_members_agree():
         for param in [*p2e.ensemble.weights, *p2e.ensemble.biases]:
             param.copy_(param[:1].expand_as(param))
     feat = torch.randn(config.imag_horizon + 1, 5, agent.wm.rssm.feat_size, requires_grad=True)
-    reward, _ = p2e.intrinsic_reward(feat, None, None)
+    reward, _ = p2e.intrinsic_reward(feat, None)
     reward.sum().backward()
     assert torch.isfinite(reward).all() and torch.isfinite(feat.grad).all()
     assert (reward < -10).all()  # far below the reward of members that disagree

@@ -231,7 +231,7 @@ def make_world_model(*flags, space=None):
 @pytest.mark.parametrize("dist", ["symlog_disc", "symlog_mse"])
 def test_zero_initialised_reward_and_critic_predict_exactly_zero(dist):
     config, wm = make_world_model("--reward_head.dist", dist, "--critic.dist", dist)
-    ac = models.ActorCritic(config, wm, ACT_SPACE, lambda feat, state, action: feat.sum(-1))
+    ac = models.ActorCritic(config, wm, ACT_SPACE, lambda feat, action: feat.sum(-1))
     feat = torch.randn(3, 7, wm.rssm.feat_size, generator=gen(12)) * 5
     reward = wm.heads["reward"](feat).mean()
     value = ac.critic(feat).mean()
