@@ -86,6 +86,15 @@ def symexp(x):
     return torch.sign(x) * torch.expm1(x.abs())
 
 
+def one_hot(index, classes, dtype, dim=-1):
+    """F.one_hot(index, classes) as `dtype`, its classes at the negative `dim`, by comparison:
+    F.one_hot checks that every index is in range, which compiled costs a reduction and an
+    assertion per call (the indices here are in range by construction)."""
+    assert dim < 0, dim
+    classes_at_dim = torch.arange(classes, device=index.device).reshape(classes, *[1] * (-dim - 1))
+    return (index.unsqueeze(dim) == classes_at_dim).to(dtype)
+
+
 class TwoHot:
     """Categorical over `bins` two-hot bins (Eq. 9-10 of the paper).
 
@@ -146,8 +155,8 @@ def twohot_encode(x, bins):
     dist_below = torch.where(equal, 1.0, (bins[below] - x).abs())
     dist_above = torch.where(equal, 1.0, (bins[above] - x).abs())
     total = dist_below + dist_above
-    return (F.one_hot(below, num) * (dist_above / total)[..., None]
-            + F.one_hot(above, num) * (dist_below / total)[..., None])
+    return (one_hot(below, num, x.dtype) * (dist_above / total)[..., None]
+            + one_hot(above, num, x.dtype) * (dist_below / total)[..., None])
 
 
 class SymlogMSE:
@@ -200,41 +209,46 @@ class Bernoulli:
         return -F.binary_cross_entropy_with_logits(self.logits, value, reduction="none").sum(-1)
 
 
-def unimix_logits(logits, unimix):
-    """Mix `unimix` of the uniform distribution into a softmax and return its logits."""
+def unimix_logits(logits, unimix, dim=-1):
+    """Mix `unimix` of the uniform distribution into a softmax over `dim` and return its logits."""
     if unimix <= 0:
         return logits
-    probs = torch.softmax(logits, -1)
-    probs = (1 - unimix) * probs + unimix / logits.shape[-1]
+    probs = torch.softmax(logits, dim)
+    probs = (1 - unimix) * probs + unimix / logits.shape[dim]
     return torch.log(probs)
 
 
 class OneHot:
-    """Categorical over the last dim with one-hot samples and straight-through gradients."""
+    """Categorical over the classes at `dim` (negative; the last by default) with one-hot samples
+    and straight-through gradients. The RSSM samples its latents with the classes at -2, before
+    the categoricals (networks.RSSM._stats says why)."""
 
-    def __init__(self, logits, unimix=0.0):
-        self.logits = unimix_logits(logits.float(), unimix)  # (..., classes)
-        self.log_probs = torch.log_softmax(self.logits, -1)
+    def __init__(self, logits, unimix=0.0, dim=-1):
+        assert dim < 0, dim
+        self.dim = dim
+        self.logits = unimix_logits(logits.float(), unimix, dim)  # (..., classes, ...)
+        self.log_probs = torch.log_softmax(self.logits, dim)
         self.probs = self.log_probs.exp()
 
     def mode(self):
-        index = self.logits.argmax(-1)
-        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        onehot = one_hot(self.logits.argmax(self.dim), self.logits.shape[self.dim], self.probs.dtype, self.dim)
         return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
     def sample(self):
         # Inverse-CDF sampling: one uniform per categorical, much faster than torch.multinomial.
-        cdf = self.probs.detach().float().cumsum(-1)
-        noise = uniform((*cdf.shape[:-1], 1), cdf.device)
-        index = (cdf < noise * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
-        onehot = F.one_hot(index, self.logits.shape[-1]).to(self.probs.dtype)
+        classes = self.logits.shape[self.dim]
+        cdf = self.probs.detach().float().cumsum(self.dim)
+        # Drawn with the classes last, so that every categorical gets the same number in any layout.
+        noise = uniform((*cdf.movedim(self.dim, -1).shape[:-1], 1), cdf.device).movedim(-1, self.dim)
+        index = (cdf < noise * cdf.narrow(self.dim, classes - 1, 1)).sum(self.dim).clamp(max=classes - 1)
+        onehot = one_hot(index, classes, self.probs.dtype, self.dim)
         return onehot + (self.probs - self.probs.detach())  # exactly one-hot in value
 
     def log_prob(self, onehot):
-        return (onehot * self.log_probs).sum(-1)
+        return (onehot * self.log_probs).sum(self.dim)
 
     def entropy(self):
-        return -(self.probs * self.log_probs).sum(-1)
+        return -(self.probs * self.log_probs).sum(self.dim)
 
 
 class Normal:

@@ -300,6 +300,9 @@ def rollout(rssm, actor, state, steps, through_dynamics):
         with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):  # else no graph is recorded
             state = rssm.img_step(state, action if through_dynamics else action.detach())
     stack = lambda xs: torch.stack(xs, 0)  # noqa: E731
+    # Contiguous like the start states, so that every chunk of a rollout is called with the strides
+    # of the first and one compiled graph serves them all (the RSSM's latents are class-major views).
+    state = {k: v.contiguous() for k, v in state.items()}
     return state, (stack(feats), stack(actions), stack(outs))
 
 

@@ -238,6 +238,25 @@ def test_unimix_logits_mix_one_percent_uniform():
     np.testing.assert_array_equal(to_np(distributions.unimix_logits(logits, 0.0)), to_np(logits))
 
 
+def test_one_hot_equals_torch_one_hot_and_compiles_without_a_range_check():
+    index = torch.tensor([[0, 3, 1], [2, 2, 0]])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = distributions.one_hot(index, 4, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.nn.functional.one_hot(index, 4).to(dtype))
+    # F.one_hot compiles into a reduction over the indices and an assertion that they are in
+    # range, per call; the comparison compiles to neither.
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda i: distributions.one_hot(i, 4, torch.float32), backend=backend)(index)
+    ops = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert not any("one_hot" in op or "assert" in op for op in ops), ops
+
+
 def test_onehot_probs_log_prob_entropy():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 5, generator=gen) * 3
@@ -278,6 +297,26 @@ def test_onehot_samples_follow_the_mixed_probabilities():
     p = 0.99 * np.exp(np_log_softmax([2.0, 0.0, -1.0, -30.0])) + 0.01 / 4
     np.testing.assert_allclose(samples.mean(0), p, atol=0.015)
     assert samples[:, 3].sum() > 0  # the uniform mixture reaches even a -30 logit
+
+
+def test_onehot_with_classes_before_the_categoricals_is_the_same_distribution():
+    """OneHot(dim=-2) on (..., classes, stoch) logits, as the RSSM draws its latents, is the
+    class-last distribution transposed: the same mixed logits, probabilities, entropy and
+    log-probabilities, and, from the same seed, the same samples and mode."""
+    logits = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(9)) * 3  # (B, stoch, classes)
+    last = distributions.OneHot(logits, unimix=0.01)
+    first = distributions.OneHot(logits.transpose(-1, -2).contiguous(), unimix=0.01, dim=-2)
+    t = lambda x: x.transpose(-1, -2)  # noqa: E731
+    torch.testing.assert_close(t(first.logits), last.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(t(first.probs), last.probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(first.entropy(), last.entropy(), rtol=0, atol=1e-6)
+    torch.manual_seed(4)
+    sample = last.sample()
+    torch.manual_seed(4)
+    assert torch.equal(t(first.sample()), sample)
+    assert torch.equal(t(first.mode()), last.mode())
+    torch.testing.assert_close(first.log_prob(t(sample)), last.log_prob(sample), rtol=0, atol=1e-6)
+    assert len(set(sample.argmax(-1).flatten().tolist())) == 4  # the samples differ: every class drawn
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,10 +113,30 @@ def test_rssm_discrete_shapes_and_one_hot_latents():
 
 def test_rssm_discrete_stats_mix_in_one_percent_uniform():
     rssm = make_rssm()
-    x = torch.randn(3, 16, generator=gen(23)) * 20  # far from uniform before the mixture
-    probs = np.exp(np_log_softmax(to_np(rssm._stats(x)["logit"])))
-    raw = to_np(x).reshape(3, 4, 4)
+    layer = torch.nn.Linear(8, 16)  # an output layer whose rows are (categorical, class) in order
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 8, generator=gen(23)) * 5)  # far from uniform before the mixture
+        layer.bias.copy_(torch.randn(16, generator=gen(24)))
+    x = torch.randn(3, 8, generator=gen(25))
+    logit = rssm._stats(layer, x)["logit"]  # computed class-major, read (B, stoch, classes)
+    assert logit.shape == (3, 4, 4)
+    probs = np.exp(np_log_softmax(to_np(logit)))
+    raw = (to_np(x) @ to_np(layer.weight).T + to_np(layer.bias)).reshape(3, 4, 4)
     np.testing.assert_allclose(probs, 0.99 * np.exp(np_log_softmax(raw)) + 0.01 / 4, rtol=1e-4, atol=1e-7)
+
+
+def test_rssm_draws_its_class_major_latents_as_the_class_last_distribution():
+    """The RSSM computes and samples its categoricals class-major; its state reads (B, stoch,
+    classes) and equals what OneHot of the state's logits gives from the same seed."""
+    rssm = make_rssm()
+    stats = rssm._stats(rssm.img_stats, torch.randn(6, rssm.img_stats.in_features, generator=gen(7)) * 3)
+    assert stats["logit"].shape == (6, 4, 4)
+    torch.manual_seed(3)
+    want = rssm.dist(stats).sample()
+    torch.manual_seed(3)
+    assert torch.equal(rssm._draw(stats, sample=True), want)
+    assert torch.equal(rssm._draw(stats, sample=False), rssm.dist(stats).mode())
+    assert 1 < len(set(want.argmax(-1).flatten().tolist()))  # the samples differ between categoricals
 
 
 def test_rssm_continuous_shapes_and_min_std():
@@ -145,7 +165,11 @@ def test_rssm_continuous_stats_formulas(std_act, mean_act):
     rssm = make_rssm("--dyn_discrete", "0", "--dyn_stoch", "5", "--dyn_min_std", "0.2",
                      "--dyn_std_act", std_act, "--dyn_mean_act", mean_act)
     x = torch.linspace(-12, 12, 2 * 5 * 3).reshape(3, 10)
-    stats = rssm._stats(x)
+    identity = torch.nn.Linear(10, 10)  # an output layer that passes x through exactly
+    with torch.no_grad():
+        identity.weight.copy_(torch.eye(10))
+        identity.bias.zero_()
+    stats = rssm._stats(identity, x)
     raw_mean, raw_std = to_np(x)[:, :5], to_np(x)[:, 5:]
     want_mean = raw_mean if mean_act == "none" else 5.0 * np.tanh(raw_mean / 5.0)
     np.testing.assert_allclose(to_np(stats["mean"]), want_mean, rtol=1e-5, atol=1e-6)

@@ -226,6 +226,27 @@ def optimizers(agent):
     return list(agent.optimizers().values())
 
 
+def test_every_chunk_of_a_reinforce_imagination_runs_one_compiled_graph(backend):
+    """imag_horizon 10 runs in two chunks of 5. The second starts from the first's last state,
+    which must have the strides of the replayed start states; else dynamo compiles the chunk a
+    second time (Inductor: a minute more of warm-up on a CPU). The RSSM's latents are drawn
+    class-major and read through transposed views, which a chunk hands on contiguous. (With the
+    dynamics gradient the second chunk is a graph of its own by right: its start carries one.)"""
+    config = cfg.parse([*SHORT, "--configs", "recipe2024", "debug", "--imag_horizon", "10", "--compile", "update"])
+    assert config.imag_gradient == "reinforce"
+    env = envs.make_env(config, "train", 0)
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(DEVICE)
+    code = models.ActorCritic.imagine_steps.__code__
+    before = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    calls = []
+    original = agent.task_behavior.imagine_steps
+    agent.task_behavior.imagine_steps = lambda *args: calls.append(1) or original(*args)
+    run_updates(agent, batches(env, config, 2))
+    assert len(calls) == 2 * 2  # two chunks per update
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) - before == 1
+
+
 def test_the_compiled_policy_acts_as_the_eager_one(compared):
     case, compiled, _, _ = compared
     obs_space, act_space = spaces_of(compiled)
