@@ -167,6 +167,24 @@ class SplitLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], -1)
 
 
+class PaddedLinear(nn.Linear):
+    """nn.Linear (the same parameters, initialisation and checkpoint keys) whose product runs on
+    the weight padded with zero rows to a multiple of 16 outputs, the padding sliced off again.
+    The two-hot heads have the paper's 255 bins, and CPU GEMMs run 255 outputs at about half the
+    speed of 256 (benchmarks/README, "Two-hot output width"). A zero row adds nothing to the other
+    outputs: they equal the unpadded layer's up to the GEMM's rounding (bitwise on batches here)."""
+
+    MULTIPLE = 16
+
+    def forward(self, x):
+        pad = -self.out_features % self.MULTIPLE
+        if not pad:
+            return super().forward(x)
+        weight = nn.functional.pad(self.weight, (0, 0, 0, pad))
+        bias = None if self.bias is None else nn.functional.pad(self.bias, (0, pad))
+        return nn.functional.linear(x, weight, bias)[..., :self.out_features]
+
+
 class Head(nn.Module):
     """MLP followed by an output layer that parameterises a distribution.
 
@@ -182,8 +200,9 @@ class Head(nn.Module):
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
-        out = bins if dist in ("symlog_disc", "symexp_twohot") else int(np.prod(self.shape))
-        self.out = init_(nn.Linear(self.mlp.outdim, out), outscale)
+        twohot = dist in ("symlog_disc", "symexp_twohot")
+        layer = PaddedLinear if twohot else nn.Linear
+        self.out = init_(layer(self.mlp.outdim, bins if twohot else int(np.prod(self.shape))), outscale)
 
     def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
         return self.out(self.mlp(x))
@@ -541,15 +560,27 @@ class BlockGRUCell(nn.Module):
         stoch, action = x.split(self.sizes, -1)
         action = action / action.abs().clamp(min=1.0).detach()
         embed = torch.cat([self.deter_in(h), self.stoch_in(stoch), self.action_in(action)], -1)  # (B, 3 hidden)
-        groups = h.reshape(*h.shape[:-1], self.blocks, self.deter // self.blocks)
-        embed = embed.unsqueeze(-2).expand(*groups.shape[:-1], embed.shape[-1])
-        x = torch.cat([groups, embed], -1).flatten(-2)  # (B, blocks * (deter / blocks + 3 hidden))
-        x = self.hidden_act(self.hidden_norm(self.hidden(x)))
+        x = self.hidden_act(self.hidden_norm(self.block_input(h, embed)))
         gates = self.gates(x).reshape(*h.shape[:-1], self.blocks, 3 * self.deter // self.blocks)
         reset, cand, update = (g.flatten(-2) for g in gates.chunk(3, -1))  # each gate per block
         cand = torch.tanh(torch.sigmoid(reset) * cand)
         update = torch.sigmoid(update - 1)
         return update * cand + (1 - update) * h
+
+    def block_input(self, h, embed):  # h (B, deter), embed (B, 3 hidden) -> (B, deter)
+        """The hidden BlockLinear applied to each block's own part of h concatenated with the
+        shared embedding, as the official code builds it (the embedding repeated for every block),
+        computed without the repeat: the embedding's part of every block at once as one dense
+        product, the blocks' own parts as a block-diagonal one, the two summed."""
+        layer, blocks = self.hidden, self.blocks
+        own_size = self.deter // blocks
+        own_weight, shared_weight = layer.weight.split([own_size, layer.weight.shape[1] - own_size], 1)
+        groups = h.reshape(*h.shape[:-1], blocks, own_size)
+        own = torch.einsum("...gi,gio->...go", groups, own_weight).flatten(-2)
+        # (blocks, 3 hidden, out / blocks) -> (3 hidden, out): block g's outputs in columns g*out/blocks...
+        shared = embed @ shared_weight.transpose(0, 1).flatten(1)
+        out = own + shared
+        return out if layer.bias is None else out + layer.bias
 
 
 class RSSM(nn.Module):

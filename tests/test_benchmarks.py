@@ -165,6 +165,17 @@ def test_distributed_benchmark_reports_frames_and_replayed_steps_per_second():
     assert row[0] == "1" and float(row[1]) > 0 and float(row[2]) > 0
 
 
+def test_gemm_widths_times_the_two_hot_layer_plain_and_padded_with_equal_outputs():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_widths.py"), "--rows", "96",
+                          "--repeats", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert "bins 255 (padded to 256)" in lines[0] and lines[0].endswith("largest output difference 0")
+    assert [line.split("|")[1].strip() for line in lines[3:5]] == ["255 outputs", "padded to 256"]
+    assert all(float(cell) > 0 for line in lines[3:5] for cell in line.split("|")[2:4])
+    assert re.fullmatch(r"speedup_forward=[0-9.]+ speedup_forward_backward=[0-9.]+", lines[-1])
+
+
 def test_auto_benchmark_commands_parse_and_its_rate_skips_the_start_up():
     """benchmarks/auto.py: every command it would run is a valid dreamer.py config (auto included), and
     frames per second are counted over the log intervals after the first."""

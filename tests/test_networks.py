@@ -252,6 +252,29 @@ def make_world_model(*flags, space=None):
     return config, models.WorldModel(space or obs_space(), ACT_SPACE, config)
 
 
+@pytest.mark.parametrize("dist", ["symlog_disc", "symexp_twohot"])
+def test_two_hot_output_layer_is_the_plain_255_output_layer_with_its_gradients(dist):
+    head = networks.Head(7, (), 1, 16, "SiLU", "rms", dist)
+    assert type(head.out) is networks.PaddedLinear  # padded to 256 outputs for the product only
+    assert head.out.weight.shape == (255, 16) and head.out.bias.shape == (255,)
+    with torch.no_grad():
+        head.out.weight.copy_(torch.randn(255, 16, generator=gen(20)))
+        head.out.bias.copy_(torch.randn(255, generator=gen(21)))
+    x = torch.randn(5, 3, 16, generator=gen(22), requires_grad=True)
+    out = head.out(x)
+    want = to_np(x) @ to_np(head.out.weight).T + to_np(head.out.bias)
+    assert out.shape == (5, 3, 255)
+    np.testing.assert_allclose(to_np(out), want, rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(5, 3, 255, generator=gen(23))
+    (out * upstream).sum().backward()
+    flat_x, flat_up = to_np(x).reshape(-1, 16), to_np(upstream).reshape(-1, 255)
+    np.testing.assert_allclose(to_np(head.out.weight.grad), flat_up.T @ flat_x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(to_np(head.out.bias.grad), flat_up.sum(0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(to_np(x.grad), (flat_up @ to_np(head.out.weight)).reshape(5, 3, 16),
+                               rtol=1e-4, atol=1e-4)
+    assert type(networks.Head(7, (), 1, 16, "SiLU", "rms", "binary").out) is torch.nn.Linear
+
+
 @pytest.mark.parametrize("dist", ["symlog_disc", "symlog_mse"])
 def test_zero_initialised_reward_and_critic_predict_exactly_zero(dist):
     config, wm = make_world_model("--reward_head.dist", dist, "--critic.dist", dist)

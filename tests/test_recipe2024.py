@@ -200,9 +200,10 @@ def test_block_gru_hidden_layer_keeps_each_block_to_its_own_part_of_the_state():
     torch.manual_seed(0)
     cell = networks.BlockGRUCell(6, 2, 5, 8, 4, "SiLU", "rms")
     h = torch.randn(8, generator=gen(10))
-    # Input of the hidden BlockLinear: per block its 2 state units and the shared 15-unit embedding.
-    embed = torch.zeros(4, 15)
-    hidden = lambda h: cell.hidden(torch.cat([h.reshape(4, 2), embed], -1).flatten())  # noqa: E731
+    # The hidden layer as the cell computes it (block_input): per block its 2 state units and the
+    # shared 15-unit embedding.
+    embed = torch.randn(1, 15, generator=gen(11))
+    hidden = lambda h: cell.block_input(h[None], embed)[0]  # noqa: E731
     jac = torch.autograd.functional.jacobian(hidden, h)
     for g in range(4):
         outside = torch.ones(8, dtype=bool)

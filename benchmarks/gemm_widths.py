@@ -1,0 +1,69 @@
+"""The two-hot heads' output layer at its 255 outputs against the same layer padded to 256 (what
+networks.PaddedLinear runs), forward and forward + backward, on the shapes of a recipe2024 size1m update.
+
+    OMP_NUM_THREADS=1 python3 benchmarks/gemm_widths.py
+
+CPU GEMMs handle an output width that is no multiple of their vector width in a slower edge kernel; on this
+project's CPU the 255-wide product took about twice the time of the 256-wide one. Rows: imagined states
+(batch 16 x 64 starts x 16 steps = 16,384), units 64 (size1m). Prints one table row per layer variant and
+the speed-up; the outputs of both are checked equal first.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, repeats):
+    fn()  # first call: allocations, GEMM dispatch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=16384, help="rows of the product (imagined states)")
+    parser.add_argument("--units", type=int, default=64, help="the head's hidden width")
+    parser.add_argument("--bins", type=int, default=255)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.rows, args.units, generator=generator, requires_grad=True)
+    weight = torch.randn(args.bins, args.units, generator=generator, requires_grad=True)
+    bias = torch.randn(args.bins, generator=generator, requires_grad=True)
+    upstream = torch.randn(args.rows, args.bins, generator=generator)
+    pad = -args.bins % 16
+
+    def plain():
+        return F.linear(x, weight, bias)
+
+    def padded():
+        return F.linear(x, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[:, :args.bins]
+
+    with torch.no_grad():
+        difference = (plain() - padded()).abs().max().item()
+    print(f"rows {args.rows}  units {args.units}  bins {args.bins} (padded to {args.bins + pad})  "
+          f"threads {torch.get_num_threads()}  torch {torch.__version__}  largest output difference {difference:.3g}")
+    print("| layer | forward ms | forward + backward ms |")
+    print("|---|---|---|")
+    rows = {}
+    for name, layer in ((f"{args.bins} outputs", plain), (f"padded to {args.bins + pad}", padded)):
+        with torch.no_grad():
+            forward = timed(layer, args.repeats)
+        both = timed(lambda layer=layer: torch.autograd.grad(layer(), (x, weight, bias), upstream), args.repeats)
+        rows[name] = (forward, both)
+        print(f"| {name} | {forward:.2f} | {both:.2f} |")
+    (plain_fw, plain_both), (pad_fw, pad_both) = rows.values()
+    print(f"speedup_forward={plain_fw / pad_fw:.2f} speedup_forward_backward={plain_both / pad_both:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
