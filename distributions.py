@@ -102,40 +102,55 @@ class TwoHot:
     high; the prediction is symexp(E[bin]) and the loss the cross-entropy against the two-hot
     encoding of symlog(target). squash False (the 2024 recipe's 'symexp_twohot'): the bins
     themselves are symexp-spaced (symexp_bins), prediction E[bin] and target encoded as is.
+
+    mirrored: the logits come in `mirrored_order` (the heads' output layer emits them so): the
+    bins below the middle one reversed, so that each lies at the same offset from the start as
+    its mirror image from the middle, and the symmetric mean pairs them without flipping a tensor
+    (a flip is a gather that Inductor cannot vectorise along the bins).
     """
 
-    def __init__(self, logits, low=-20.0, high=20.0, squash=True):
+    def __init__(self, logits, low=-20.0, high=20.0, squash=True, mirrored=False):
         logits = logits.float()  # distribution parameters in float32 also under autocast (official code)
-        self.logits = logits  # (..., bins)
+        self.logits = logits  # (..., bins), in mirrored_order when mirrored
         self.log_probs = torch.log_softmax(logits, -1)
-        self.squash = squash
+        self.squash, self.mirrored = squash, mirrored
         if squash:
             bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
             if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
                 bins = (bins - bins.flip(0)) / 2
         else:
             bins = symexp_bins(logits.shape[-1], high, logits.device)
-        self.bins = bins
+        self.bins = bins  # ascending, whatever the logits' order
 
     def mean(self):  # (...)
         probs = self.log_probs.exp()
         n = probs.shape[-1]
+        m = n // 2
+        bins = self.bins[mirrored_order(n, self.bins.device)] if self.mirrored else self.bins  # the logits' order
         if n % 2 == 1:
             # Add mirrored bins first, so that uniform probabilities predict exactly 0.
-            m = n // 2
-            lower = (probs[..., :m] * self.bins[:m]).flip(-1)
-            upper = probs[..., m + 1:] * self.bins[m + 1:]
-            expected = (lower + upper).sum(-1) + probs[..., m] * self.bins[m]
+            lower = probs[..., :m] * bins[:m]
+            lower = lower if self.mirrored else lower.flip(-1)
+            upper = probs[..., m + 1:] * bins[m + 1:]
+            expected = (lower + upper).sum(-1) + probs[..., m] * bins[m]
         else:
-            expected = (probs * self.bins).sum(-1)
+            expected = (probs * bins).sum(-1)
         return symexp(expected) if self.squash else expected
 
     mode = mean
 
     def log_prob(self, value):  # value: (...) -> (...)
         value = value.float()
-        target = twohot_encode(symlog(value) if self.squash else value, self.bins)
+        target = twohot_encode(symlog(value) if self.squash else value, self.bins, self.mirrored)
         return (target * self.log_probs).sum(-1)
+
+
+def mirrored_order(num, device=None):
+    """The bins' order in a mirrored TwoHot: position k holds bin order[k] (ascending bins
+    numbered 0..num-1): the lower half reversed, then the rest as it is; for 255 bins 126..0,
+    127..254, so that bins 126-j and 128+j, mirror images, lie at positions j and 128+j."""
+    half = num // 2
+    return torch.cat([torch.arange(half - 1, -1, -1, device=device), torch.arange(half, num, device=device)])
 
 
 def symexp_bins(num, high=20.0, device=None):
@@ -146,8 +161,9 @@ def symexp_bins(num, high=20.0, device=None):
     return torch.cat([half, mirror])
 
 
-def twohot_encode(x, bins):
-    """Two-hot target (..., bins) for values x (...) already in bin space."""
+def twohot_encode(x, bins, mirrored=False):
+    """Two-hot target (..., bins) for values x (...) already in bin space, over the ascending
+    `bins` or, mirrored, in their mirrored_order."""
     num = len(bins)
     below = ((bins <= x[..., None]).sum(-1) - 1).clamp(0, num - 1)
     above = (num - (bins > x[..., None]).sum(-1)).clamp(0, num - 1)
@@ -155,6 +171,10 @@ def twohot_encode(x, bins):
     dist_below = torch.where(equal, 1.0, (bins[below] - x).abs())
     dist_above = torch.where(equal, 1.0, (bins[above] - x).abs())
     total = dist_below + dist_above
+    if mirrored:  # the positions of bins below and above: the lower half's are reversed
+        half = num // 2
+        below = torch.where(below < half, half - 1 - below, below)
+        above = torch.where(above < half, half - 1 - above, above)
     return (one_hot(below, num, x.dtype) * (dist_above / total)[..., None]
             + one_hot(above, num, x.dtype) * (dist_below / total)[..., None])
 

@@ -411,6 +411,7 @@ class ActorCritic(nn.Module):
         from them and the actor's baseline is them, so that only the critic's own loss trains it
         while the dynamics gradient still flows through feat."""
         weights = {k: v.detach() for k, v in self.critic.named_parameters()}
+        weights.update(self.critic.named_buffers())
         return torch.func.functional_call(self.critic, weights, (feat,), strict=True).mean()
 
     def actor_loss(self, action, returns, weight, policy, base):

@@ -167,21 +167,26 @@ class SplitLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], -1)
 
 
-class PaddedLinear(nn.Linear):
-    """nn.Linear (the same parameters, initialisation and checkpoint keys) whose product runs on
-    the weight padded with zero rows to a multiple of 16 outputs, the padding sliced off again.
-    The two-hot heads have the paper's 255 bins, and CPU GEMMs run 255 outputs at about half the
-    speed of 256 (benchmarks/README, "Two-hot output width"). A zero row adds nothing to the other
-    outputs: they equal the unpadded layer's up to the GEMM's rounding (bitwise on batches here)."""
+class TwoHotLinear(nn.Linear):
+    """The two-hot heads' output layer: an nn.Linear (the same parameters, in the bins' ascending
+    order, initialisation and checkpoint keys) whose outputs come in the bins'
+    `distributions.mirrored_order` (the weight's rows read in that order), which the head's
+    TwoHot reads without a flip. Its product runs on the weight padded with zero rows to a
+    multiple of 16 outputs, the padding sliced off again: the heads have the paper's 255 bins,
+    and CPU GEMMs run 255 outputs at about half the speed of 256 (benchmarks/README, "Two-hot
+    output width"). A zero row adds nothing to the other outputs: they equal the unpadded
+    layer's up to the GEMM's rounding (bitwise on batches here)."""
 
     MULTIPLE = 16
 
+    def __init__(self, inp, bins):
+        super().__init__(inp, bins)
+        self.register_buffer("order", distributions.mirrored_order(bins), persistent=False)
+
     def forward(self, x):
         pad = -self.out_features % self.MULTIPLE
-        if not pad:
-            return super().forward(x)
-        weight = nn.functional.pad(self.weight, (0, 0, 0, pad))
-        bias = None if self.bias is None else nn.functional.pad(self.bias, (0, pad))
+        weight = nn.functional.pad(self.weight[self.order], (0, 0, 0, pad))
+        bias = nn.functional.pad(self.bias[self.order], (0, pad))
         return nn.functional.linear(x, weight, bias)[..., :self.out_features]
 
 
@@ -200,9 +205,10 @@ class Head(nn.Module):
         self.shape = tuple(shape)
         self.kind = dist
         self.mlp = MLP(inp, layers, units, act, norm)
-        twohot = dist in ("symlog_disc", "symexp_twohot")
-        layer = PaddedLinear if twohot else nn.Linear
-        self.out = init_(layer(self.mlp.outdim, bins if twohot else int(np.prod(self.shape))), outscale)
+        if dist in ("symlog_disc", "symexp_twohot"):
+            self.out = init_(TwoHotLinear(self.mlp.outdim, bins), outscale)
+        else:
+            self.out = init_(nn.Linear(self.mlp.outdim, int(np.prod(self.shape))), outscale)
 
     def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
         return self.out(self.mlp(x))
@@ -212,7 +218,7 @@ class Head(nn.Module):
 
     def dist(self, x):
         if self.kind in ("symlog_disc", "symexp_twohot"):
-            return distributions.TwoHot(x, squash=self.kind == "symlog_disc")
+            return distributions.TwoHot(x, squash=self.kind == "symlog_disc", mirrored=True)  # TwoHotLinear's order
         x = x.reshape(*x.shape[:-1], *self.shape)
         if self.kind == "binary":
             return distributions.Bernoulli(x)

@@ -1,5 +1,5 @@
 """The two-hot heads' output layer at its 255 outputs against the same layer padded to 256 (what
-networks.PaddedLinear runs), forward and forward + backward, on the shapes of a recipe2024 size1m update.
+networks.TwoHotLinear runs), forward and forward + backward, on the shapes of a recipe2024 size1m update.
 
     OMP_NUM_THREADS=1 python3 benchmarks/gemm_widths.py
 

@@ -137,16 +137,28 @@ def percentile_ema(returns, low, high, decay=0.99):
 # ==================================================================================================
 
 
+def out_layer(layer, x, detach=False):
+    """An output layer written out where it is one dense layer: its weight and bias applied as stored,
+    so that the two-hot heads' logits come in the bins' ascending order (the layer itself emits them
+    mirrored)."""
+    if isinstance(layer, torch.nn.Linear):
+        weight, bias = layer.weight, layer.bias
+        if detach:
+            weight, bias = weight.detach(), bias.detach()
+        return torch.nn.functional.linear(x, weight, bias)
+    if detach:
+        return torch.func.functional_call(layer, {k: v.detach() for k, v in layer.named_parameters()}, (x,))
+    return layer(x)
+
+
 def mlp_head(head, x):
-    return head.out(head.mlp(x))
+    return out_layer(head.out, head.mlp(x))
 
 
 def detached_head(head, x):
     """The head's output at x with its weights detached: a gradient reaches x, none the weights."""
-    layers = [head.mlp, head.out]
-    for layer in layers:
-        x = torch.func.functional_call(layer, {k: v.detach() for k, v in layer.named_parameters()}, (x,))
-    return x
+    x = torch.func.functional_call(head.mlp, {k: v.detach() for k, v in head.mlp.named_parameters()}, (x,))
+    return out_layer(head.out, x, detach=True)
 
 
 def actor_dist(actor, config, feat):

@@ -223,6 +223,42 @@ def test_twohot_mean_of_a_two_hot_distribution_recovers_the_value(value):
     assert distributions.TwoHot(logits).mean().item() == pytest.approx(value, rel=1e-4, abs=1e-4)
 
 
+MIRRORED_255 = list(range(126, -1, -1)) + list(range(127, 255))  # lower half reversed, then the middle and upper
+
+
+def test_mirrored_order_reverses_the_bins_below_the_middle():
+    assert distributions.mirrored_order(255).tolist() == MIRRORED_255
+    assert distributions.mirrored_order(6).tolist() == [2, 1, 0, 3, 4, 5]
+
+
+@pytest.mark.parametrize("squash", [True, False])
+def test_twohot_mirrored_reads_logits_in_mirrored_order_as_the_natural_ones(squash):
+    """A mirrored TwoHot given the logits permuted into the mirrored order predicts and scores as the
+    natural one, against the numpy reference (natural order) written here."""
+    gen = torch.Generator().manual_seed(3)
+    natural = torch.randn(6, 255, generator=gen) * 2
+    mirrored = natural[:, MIRRORED_255]
+    dist = distributions.TwoHot(mirrored, squash=squash, mirrored=True)
+    bins = np.linspace(-20, 20, 255) if squash else to_np(distributions.symexp_bins(255)).astype(np.float64)
+    probs = np.exp(np_log_softmax(to_np(natural)))
+    mean = (probs * bins).sum(-1)
+    np.testing.assert_allclose(to_np(dist.mean()), np_symexp(mean) if squash else mean, rtol=1e-4, atol=1e-3)
+    values = torch.tensor([-1e3, -2.5, -0.01, 0.0, 0.3, 1e4])
+    log_probs = np_log_softmax(to_np(natural))
+    encoded = [np_symlog(v) if squash else v for v in to_np(values)]
+    want = [(np_twohot(np.float32(x).item(), bins) * log_probs[i]).sum() for i, x in enumerate(encoded)]
+    np.testing.assert_allclose(to_np(dist.log_prob(values)), want, rtol=1e-4, atol=1e-3)
+    assert distributions.TwoHot(torch.zeros(255), squash=squash, mirrored=True).mean().item() == 0.0
+
+
+def test_twohot_encode_mirrored_is_the_natural_target_permuted():
+    bins = torch.linspace(-20, 20, 255)
+    x = torch.tensor([-25.0, -20.0, -3.3, 0.0, 0.05, bins[3].item(), 19.9, 21.0])
+    natural = to_np(distributions.twohot_encode(x, bins))
+    mirrored = to_np(distributions.twohot_encode(x, bins, mirrored=True))
+    np.testing.assert_array_equal(mirrored, natural[:, MIRRORED_255])
+
+
 # ---------------------------------------------------------------------------------------------
 # unimix, one-hot with straight-through gradients
 # ---------------------------------------------------------------------------------------------
@@ -669,9 +705,10 @@ def test_critic_loss_two_hot_with_slow_regulariser(slow_target):
     feat, returns, weight = critic_inputs(ac)
     loss, _ = critic_loss_as_trained(ac, feat, returns, weight)
     bins = np.linspace(-20, 20, 255)
+    natural = np.argsort(MIRRORED_255)  # the heads emit their logits in the mirrored order
     with torch.no_grad():
-        log_probs = np_log_softmax(to_np(ac.critic(feat[:-1]).logits))
-        slow_probs = np.exp(np_log_softmax(to_np(ac.slow_critic(feat[:-1]).logits)))
+        log_probs = np_log_softmax(to_np(ac.critic(feat[:-1]).logits)[..., natural])
+        slow_probs = np.exp(np_log_softmax(to_np(ac.slow_critic(feat[:-1]).logits)[..., natural]))
     slow_mean = np_symexp((slow_probs * bins).sum(-1))
     want = np.zeros(returns.shape)
     for index in np.ndindex(*returns.shape):

@@ -298,7 +298,7 @@ COMPILED_INSIDE = {
     "Head": "its body is an MLP",
     "Actor": "its body is an MLP",
     "SplitLinear": "the output layers after a compiled MLP, eager as the single nn.Linear they replaced",
-    "PaddedLinear": "the two-hot heads' output layer after a compiled MLP, eager as the nn.Linear it pads",
+    "TwoHotLinear": "the two-hot heads' output layer after a compiled MLP, eager as the nn.Linear it reorders",
     "MultiEncoder": "concatenates its keys around the compiled CNN and MLP",
     "MultiDecoder": "splits the compiled CNN's and MLP's outputs into keys",
     "RSSM": "its per-step functions obs_step and img_step are compiled",

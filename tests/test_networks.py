@@ -253,25 +253,31 @@ def make_world_model(*flags, space=None):
 
 
 @pytest.mark.parametrize("dist", ["symlog_disc", "symexp_twohot"])
-def test_two_hot_output_layer_is_the_plain_255_output_layer_with_its_gradients(dist):
+def test_two_hot_output_layer_is_the_255_output_layer_in_mirrored_order_with_its_gradients(dist):
+    """The two-hot heads' output layer keeps nn.Linear's (255, units) parameters in the bins' order and
+    emits its outputs in the mirrored order (bins 126..0, then 127..254) that the head's TwoHot reads."""
     head = networks.Head(7, (), 1, 16, "SiLU", "rms", dist)
-    assert type(head.out) is networks.PaddedLinear  # padded to 256 outputs for the product only
+    assert type(head.out) is networks.TwoHotLinear
     assert head.out.weight.shape == (255, 16) and head.out.bias.shape == (255,)
+    assert [k for k in head.state_dict() if k.startswith("out.")] == ["out.weight", "out.bias"]  # checkpoint keys
     with torch.no_grad():
         head.out.weight.copy_(torch.randn(255, 16, generator=gen(20)))
         head.out.bias.copy_(torch.randn(255, generator=gen(21)))
+    order = list(range(126, -1, -1)) + list(range(127, 255))
+    weight, bias = to_np(head.out.weight), to_np(head.out.bias)
     x = torch.randn(5, 3, 16, generator=gen(22), requires_grad=True)
     out = head.out(x)
-    want = to_np(x) @ to_np(head.out.weight).T + to_np(head.out.bias)
     assert out.shape == (5, 3, 255)
-    np.testing.assert_allclose(to_np(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_np(out), to_np(x) @ weight[order].T + bias[order], rtol=1e-5, atol=1e-5)
     upstream = torch.randn(5, 3, 255, generator=gen(23))
     (out * upstream).sum().backward()
     flat_x, flat_up = to_np(x).reshape(-1, 16), to_np(upstream).reshape(-1, 255)
-    np.testing.assert_allclose(to_np(head.out.weight.grad), flat_up.T @ flat_x, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(to_np(head.out.bias.grad), flat_up.sum(0), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(to_np(x.grad), (flat_up @ to_np(head.out.weight)).reshape(5, 3, 16),
-                               rtol=1e-4, atol=1e-4)
+    grad_weight, grad_bias = np.zeros((255, 16)), np.zeros(255)
+    grad_weight[order], grad_bias[order] = flat_up.T @ flat_x, flat_up.sum(0)
+    np.testing.assert_allclose(to_np(head.out.weight.grad), grad_weight, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(to_np(head.out.bias.grad), grad_bias, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(to_np(x.grad), (flat_up @ weight[order]).reshape(5, 3, 16), rtol=1e-4, atol=1e-4)
+    assert head.dist(out).mirrored
     assert type(networks.Head(7, (), 1, 16, "SiLU", "rms", "binary").out) is torch.nn.Linear
 
 
