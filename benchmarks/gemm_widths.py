@@ -6,7 +6,8 @@ networks.TwoHotLinear runs), forward and forward + backward, on the shapes of a 
 CPU GEMMs handle an output width that is no multiple of their vector width in a slower edge kernel; on this
 project's CPU the 255-wide product took about twice the time of the 256-wide one. Rows: imagined states
 (batch 16 x 64 starts x 16 steps = 16,384), units 64 (size1m). Prints one table row per layer variant and
-the speed-up; the outputs of both are checked equal first.
+the speed-up; the outputs of both are checked equal first. A second table times the heads' first layer (features
+640 -> units) in torch's product against oneDNN's.
 """
 
 import argparse
@@ -32,6 +33,7 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=16384, help="rows of the product (imagined states)")
     parser.add_argument("--units", type=int, default=64, help="the head's hidden width")
     parser.add_argument("--bins", type=int, default=255)
+    parser.add_argument("--features", type=int, default=640, help="the features' width (size1m: 512 + 32 x 4)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     generator = torch.Generator().manual_seed(0)
@@ -62,7 +64,30 @@ def main(argv=None):
         print(f"| {name} | {forward:.2f} | {both:.2f} |")
     (plain_fw, plain_both), (pad_fw, pad_both) = rows.values()
     print(f"speedup_forward={plain_fw / pad_fw:.2f} speedup_forward_backward={plain_both / pad_both:.2f}")
+    first_layer(args, generator)
     return 0
+
+
+def first_layer(args, generator):
+    """The heads' first layer on the imagined features, forward, in torch's own product (MKL in the CPU
+    wheels) and in oneDNN's (the matmul Inductor uses for frozen inference weights), which a training
+    graph cannot call: a CPU's GEMM library sets much of the update's speed."""
+    x = torch.randn(args.rows, args.features, generator=generator)
+    weight = torch.randn(args.units, args.features, generator=generator)
+    bias = torch.randn(args.units, generator=generator)
+    print(f"\nthe heads' first layer: rows {args.rows}  features {args.features}  units {args.units}, forward")
+    print("| library | forward ms |")
+    print("|---|---|")
+    torch_ms = timed(lambda: F.linear(x, weight, bias), args.repeats)
+    print(f"| torch (F.linear) | {torch_ms:.2f} |")
+    if not torch.backends.mkldnn.is_available():
+        print("onednn=unavailable")
+        return
+    onednn = torch.ops.mkldnn._linear_pointwise
+    assert torch.allclose(onednn(x, weight, bias, "none", [], ""), F.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
+    onednn_ms = timed(lambda: onednn(x, weight, bias, "none", [], ""), args.repeats)
+    print(f"| oneDNN (mkldnn._linear_pointwise) | {onednn_ms:.2f} |")
+    print(f"onednn_speedup_first_layer={torch_ms / onednn_ms:.2f}")
 
 
 if __name__ == "__main__":
