@@ -285,7 +285,18 @@ def test_worker_ignores_sigint_from_its_start():
     env.close()
 
 
-def test_interrupted_wait_keeps_replies_in_order():
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C as an interactive Python has it. A shell starts a background job (`pytest ... &`, nohup, some CI
+    runners) with SIGINT ignored; Python then installs no KeyboardInterrupt handler, and every child process
+    inherits the ignored signal. These tests are about what Ctrl-C does, so they set Python's own handler
+    while they run (the children then start with the default disposition)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupted_wait_keeps_replies_in_order(ctrl_c_raises):
     env = parallel.Parallel(functools.partial(FakeEnv, length=50, pause_at=1), restart=False)
     env.reset()()
     future = env.step(np.full(2, 0.5))
@@ -313,7 +324,7 @@ while True:  # never closes its environments
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
-def test_no_worker_outlives_its_parent(how):
+def test_no_worker_outlives_its_parent(how, ctrl_c_raises):
     script = textwrap.dedent(PARENT.format(path=[str(ROOT), str(pathlib.Path(__file__).parent)]))
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)  # its own process group, as under a shell
