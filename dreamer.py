@@ -388,7 +388,7 @@ class Dreamer(nn.Module):
         data = self.wm.preprocess(obs)
         embed = self.wm.encoder(data)
         sample = not (mode == "eval" and self.config.eval_state_mean)
-        latent, _ = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
+        latent = self.wm.rssm.obs_step(latent, action, embed, data["is_first"], sample)
         feat = self.wm.rssm.get_feat(latent)
         if mode == "eval":
             policy = self.task_behavior.actor(feat)

@@ -148,15 +148,17 @@ class WorldModel(nn.Module):
         (models.Update scales and sums them), the posterior, the embedding and metrics (the scaled
         terms' means; dyn_loss and rep_loss are the KLs before the free nats)."""
         embed = self.embed(data)  # (B, T, E)
-        post, prior = self.rssm.observe(embed, data["action"], data["is_first"], start)
-        losses, metrics = self.loss_terms(data, post, prior)
+        post = self.rssm.observe(embed, data["action"], data["is_first"], start)
+        losses, metrics = self.loss_terms(data, post)
         return losses, post, embed, metrics
 
-    def loss_terms(self, data, post, prior):
-        """The terms and metrics of `loss` from the posteriors and priors (B, T, ...) of the
-        observed sequence: the heads' losses and the KL terms."""
+    def loss_terms(self, data, post):
+        """The terms and metrics of `loss` from the posteriors (B, T, ...) of the observed
+        sequence: the heads' losses and the KL terms against the priors of the same steps,
+        computed here from every step at once, as the official code does after its filter."""
         config, scales = self.config, self.scales
         feat = self.rssm.get_feat(post)  # (B, T, F)
+        prior = self.rssm.prior(post["deter"])  # (B, T, ...)
         losses = {}  # term: (B, T)
         for name, head in self.heads.items():
             pred = head(feat.detach() if name in config.stop_grad_heads else feat)
@@ -205,7 +207,7 @@ class WorldModel(nn.Module):
         key = next(iter(self.heads["decoder"].cnn_shapes))
         data = {k: v[:count] for k, v in data.items()}
         embed = self.embed(data)
-        post, _ = self.rssm.observe(embed[:, :context], data["action"][:, :context], data["is_first"][:, :context])
+        post = self.rssm.observe(embed[:, :context], data["action"][:, :context], data["is_first"][:, :context])
         recon = self.heads["decoder"](self.rssm.get_feat(post))[key].mode()
         last = {k: v[:, -1] for k, v in post.items()}
         prior = self.rssm.imagine_with_action(data["action"][:, context:], last)

@@ -671,7 +671,7 @@ class RSSM(nn.Module):
             deter = torch.zeros(batch, self.deter, device=device)
         else:
             deter = torch.tanh(self.initial_deter).expand(batch, self.deter)
-        stats = self._stats(self.img_stats, self.img_out(deter))
+        stats = self.prior_stats(deter)
         stoch = self._draw(stats, sample=False)
         if self.initial_mode == "zeros":
             stoch = torch.zeros_like(stoch)
@@ -686,12 +686,14 @@ class RSSM(nn.Module):
     # -- transitions ------------------------------------------------------------------------------
 
     def img_step(self, state, action, sample=True):
-        """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1})."""
-        return self._prior(state, action, sample)
+        """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1}), and its sample z_t."""
+        deter = self._deter(state, action)
+        stats = self.prior_stats(deter)
+        return {"deter": deter, "stoch": self._draw(stats, sample), **stats}
 
-    def _prior(self, state, action, sample=True):
-        # The body of img_step; obs_step calls it directly so that a compiled obs_step never nests
-        # a call to a separately compiled img_step.
+    def _deter(self, state, action):
+        """h_t = f(h_{t-1}, z_{t-1}, a_{t-1}): the recurrent step (a method of its own, not a call
+        of img_step, so that a compiled obs_step never nests a separately compiled img_step)."""
         stoch = state["stoch"]
         if self.discrete:
             stoch = stoch.reshape(*stoch.shape[:-2], self.stoch * self.discrete)
@@ -699,11 +701,21 @@ class RSSM(nn.Module):
         deter = state["deter"]
         for _ in range(self.rec_depth):
             deter = self.cell(x, deter)
-        stats = self._stats(self.img_stats, self.img_out(deter))
-        return {"deter": deter, "stoch": self._draw(stats, sample), **stats}
+        return deter
+
+    def prior_stats(self, deter):
+        """The prior's distribution parameters at deter (..., D)."""
+        return self._stats(self.img_stats, self.img_out(deter))
+
+    def prior(self, deter):
+        """The prior p(z_t | h_t) of an observed sequence's deter (..., D), after the filter, as
+        the official code computes it (rssm.loss): {deter, and its parameters}, no sample."""
+        return {"deter": deter, **self.prior_stats(deter)}
 
     def obs_step(self, state, action, embed, is_first, sample=True, init=None):
-        """Posterior q(z_t | h_t, x_t) and prior; resets state and action where is_first.
+        """Posterior q(z_t | h_t, x_t); resets state and action where is_first. The prior is not
+        needed to filter: the official code computes it after the filter (`prior`) and so does
+        WorldModel.loss, from every step's deter at once.
 
         `init`, the initial state of this batch, is computed unless given (observe computes it
         once per sequence rather than once per step).
@@ -712,35 +724,31 @@ class RSSM(nn.Module):
         init = self.initial(len(is_first)) if init is None else init
         state = {k: v * keep.reshape(-1, *[1] * (v.dim() - 1)) + init[k] * (1 - keep).reshape(-1, *[1] * (v.dim() - 1))
                  for k, v in state.items()}
-        action = action * keep
-        prior = self._prior(state, action, sample)
-        stats = self._stats(self.obs_stats, self.obs_out(torch.cat([prior["deter"], embed], -1)))
-        post = {"deter": prior["deter"], "stoch": self._draw(stats, sample), **stats}
-        return post, prior
+        deter = self._deter(state, action * keep)
+        stats = self._stats(self.obs_stats, self.obs_out(torch.cat([deter, embed], -1)))
+        return {"deter": deter, "stoch": self._draw(stats, sample), **stats}
 
     def observe(self, embed, action, is_first, state=None):
-        """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> posts, priors
-        as dicts of (B, T, ...). The steps run in chunks of chunk_length(T) (observe_chunk), which
+        """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> the posteriors,
+        a dict of (B, T, ...). The steps run in chunks of chunk_length(T) (observe_chunk), which
         compile 'update' compiles as one graph called T / chunk times."""
         init = self.initial(embed.shape[0])
         state = dict(init if state is None else state)  # a copy: a compiled obs_step guards on aliasing
-        size, posts, priors = chunk_length(embed.shape[1]), [], []
+        size, posts = chunk_length(embed.shape[1]), []
         for t in range(0, embed.shape[1], size):
-            state, post, prior = self.observe_chunk(state, action[:, t:t + size], embed[:, t:t + size],
-                                                    is_first[:, t:t + size], init)
+            state, post = self.observe_chunk(state, action[:, t:t + size], embed[:, t:t + size],
+                                             is_first[:, t:t + size], init)
             posts.append(post)
-            priors.append(prior)
-        return cat_steps(posts, 1), cat_steps(priors, 1)
+        return cat_steps(posts, 1)
 
     def observe_chunk(self, state, action, embed, is_first, init):
         """obs_step over the K steps of action (B, K, A), embed (B, K, E) and is_first (B, K) from
-        `state`, resetting to `init`: the last posterior and the posteriors and priors (B, K, ...)."""
-        posts, priors = [], []
+        `state`, resetting to `init`: the last posterior and the posteriors (B, K, ...)."""
+        posts = []
         for t in range(embed.shape[1]):
-            state, prior = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
+            state = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
             posts.append(state)
-            priors.append(prior)
-        return state, stack_steps(posts, 1), stack_steps(priors, 1)
+        return state, stack_steps(posts, 1)
 
     def imagine_with_action(self, action, state):
         """Open-loop prediction: action (B, T, A) from state (B, ...) -> priors (B, T, ...)."""

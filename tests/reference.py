@@ -201,31 +201,35 @@ class RSSM:
     def feat(self, state):
         return torch.cat([state["stoch"].flatten(-2), state["deter"]], -1)
 
-    def prior(self, state, action):
+    def recurrent(self, state, action):
         x = self.net.img_in(torch.cat([state["stoch"].flatten(-2), action], -1))
         deter = state["deter"]
         for _ in range(self.config.dyn_rec_depth):
             deter = self.net.cell(x, deter)
+        return deter
+
+    def prior(self, state, action):
+        deter = self.recurrent(state, action)
         probs = self.probs(self.net.img_stats(self.net.img_out(deter)))
         return {"deter": deter, "stoch": sample_categorical(probs), "probs": probs}
 
     def observe(self, embed, action, is_first, start):
         """Filter (B, T) steps from `start` (None: the initial state); at an episode start the state and the
-        action before it are reset to the initial ones. Returns posterior and prior, dicts of (B, T, ...)."""
+        action before it are reset to the initial ones. Returns posterior and prior, dicts of (B, T, ...); the
+        prior is computed after the filter from every step's deter and drawn from nowhere (official rssm.loss)."""
         init = self.initial(embed.shape[0])
         state = init if start is None else start
-        posts, priors = [], []
+        posts = []
         for t in range(embed.shape[1]):
             keep = 1 - is_first[:, t]
             state = {k: state[k] * keep.reshape(-1, *[1] * (state[k].dim() - 1))
                      + init[k] * (1 - keep).reshape(-1, *[1] * (init[k].dim() - 1)) for k in ("deter", "stoch")}
-            prior = self.prior(state, action[:, t] * keep[:, None])
-            probs = self.probs(self.net.obs_stats(self.net.obs_out(torch.cat([prior["deter"], embed[:, t]], -1))))
-            state = {"deter": prior["deter"], "stoch": sample_categorical(probs), "probs": probs}
+            deter = self.recurrent(state, action[:, t] * keep[:, None])
+            probs = self.probs(self.net.obs_stats(self.net.obs_out(torch.cat([deter, embed[:, t]], -1))))
+            state = {"deter": deter, "stoch": sample_categorical(probs), "probs": probs}
             posts.append(state)
-            priors.append(prior)
-        stack = lambda seq: {k: torch.stack([s[k] for s in seq], 1) for k in seq[0]}  # noqa: E731
-        return stack(posts), stack(priors)
+        post = {k: torch.stack([s[k] for s in posts], 1) for k in posts[0]}
+        return post, {"deter": post["deter"], "probs": self.probs(self.net.img_stats(self.net.img_out(post["deter"])))}
 
 
 # ==================================================================================================

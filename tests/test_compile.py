@@ -64,13 +64,12 @@ def reference_update(agent, batch):
 
     # World model: filter the sequence one step at a time.
     embed = wm.encoder({k: v.flatten(0, 1) for k, v in data.items()}).unflatten(0, (batch_size, length))
-    state, posts, priors = rssm.initial(batch_size), [], []
+    state, posts = rssm.initial(batch_size), []
     for t in range(length):
-        state, prior = rssm.obs_step(state, data["action"][:, t], embed[:, t], data["is_first"][:, t])
+        state = rssm.obs_step(state, data["action"][:, t], embed[:, t], data["is_first"][:, t])
         posts.append(state)
-        priors.append(prior)
     post = {k: torch.stack([s[k] for s in posts], 1) for k in posts[0]}
-    prior = {k: torch.stack([s[k] for s in priors], 1) for k in priors[0]}
+    prior = rssm.prior(post["deter"])
     kl, _, _ = scaled_kl(rssm, post, prior, config.kl_free, config.dyn_scale, config.rep_scale)
     feat = rssm.get_feat(post)
     image = -wm.heads["decoder"](feat)["image"].log_prob(data["image"])

@@ -267,7 +267,8 @@ def kl_case(spaces, reference, dyn_scale, rep_scale, free):
     prior_grad = flat_grad([*rssm.img_out.parameters(), *rssm.img_stats.parameters()])
     post_grad = flat_grad([*rssm.obs_out.parameters(), *rssm.obs_stats.parameters(), *wm.encoder.parameters()])
     with torch.no_grad():  # per-step KL[post || prior] from the logits, in numpy
-        post, prior = rssm.observe(wm.embed(data), data["action"], data["is_first"])
+        post = rssm.observe(wm.embed(data), data["action"], data["is_first"])
+        prior = rssm.prior(post["deter"])
         p = torch.log_softmax(post["logit"], -1).double().numpy()
         q = torch.log_softmax(prior["logit"], -1).double().numpy()
     kl = (np.exp(p) * (p - q)).sum((-2, -1))  # (B, T)

@@ -92,8 +92,10 @@ def test_rssm_discrete_shapes_and_one_hot_latents():
     action = torch.rand(2, 5, 3, generator=gen(1))
     is_first = torch.zeros(2, 5)
     is_first[:, 0] = 1
-    post, prior = rssm.observe(embed, action, is_first)
-    for state in (post, prior):
+    post = rssm.observe(embed, action, is_first)
+    prior = rssm.prior(post["deter"])
+    assert set(prior) == {"deter", "logit"} and prior["logit"].shape == (2, 5, 4, 4)
+    for state in (post,):
         assert state["deter"].shape == (2, 5, 32)
         assert state["stoch"].shape == (2, 5, 4, 4)
         assert state["logit"].shape == (2, 5, 4, 4)
@@ -143,9 +145,11 @@ def test_rssm_continuous_shapes_and_min_std():
     rssm = make_rssm("--dyn_discrete", "0", "--dyn_stoch", "6", "--dyn_min_std", "0.3")
     assert rssm.feat_size == 6 + 32
     embed = torch.randn(3, 4, 10, generator=gen(2)) * 10
-    post, prior = rssm.observe(embed, torch.rand(3, 4, 3), torch.zeros(3, 4))
+    post = rssm.observe(embed, torch.rand(3, 4, 3), torch.zeros(3, 4))
+    prior = rssm.prior(post["deter"])
+    assert post["stoch"].shape == (3, 4, 6)
     for state in (post, prior):
-        assert state["stoch"].shape == state["mean"].shape == state["std"].shape == (3, 4, 6)
+        assert state["mean"].shape == state["std"].shape == (3, 4, 6)
         assert state["deter"].shape == (3, 4, 32)
         assert state["std"].min().item() >= 0.3
     assert rssm.get_feat(post).shape == (3, 4, 38)
@@ -188,28 +192,26 @@ def test_rssm_obs_step_resets_where_is_first_learned(flags):
     action = torch.rand(3, 3, generator=gen(5)) * 2 - 1
     embed = torch.randn(3, 10, generator=gen(6))
     is_first = torch.tensor([True, False, True])
-    post, prior = rssm.obs_step(state, action, embed, is_first, sample=False)
+    post = rssm.obs_step(state, action, embed, is_first, sample=False)
     for row in range(3):
         if is_first[row]:  # reference: step from the initial state with a zero action, no reset
             ref_state, ref_action = rssm.initial(1), torch.zeros(1, 3)
         else:
             ref_state, ref_action = {k: v[row:row + 1] for k, v in state.items()}, action[row:row + 1]
-        ref_post, ref_prior = rssm.obs_step(ref_state, ref_action, embed[row:row + 1], torch.tensor([False]),
-                                            sample=False)
+        ref_post = rssm.obs_step(ref_state, ref_action, embed[row:row + 1], torch.tensor([False]), sample=False)
         assert set(post) == set(ref_post) == set(state)
         for key in post:
             np.testing.assert_allclose(to_np(post[key][row]), to_np(ref_post[key][0]), rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(to_np(prior[key][row]), to_np(ref_prior[key][0]), rtol=1e-5, atol=1e-6)
     # The state that was reset no longer depends on the old state, the others do.
     assert not np.allclose(to_np(post["deter"][0]), to_np(rssm.obs_step(
-        {k: v[1:2] for k, v in state.items()}, action[1:2], embed[0:1], torch.tensor([False]), False)[0]["deter"][0]))
+        {k: v[1:2] for k, v in state.items()}, action[1:2], embed[0:1], torch.tensor([False]), False)["deter"][0]))
 
 
 def test_rssm_learned_initial_state_is_trained_only_through_reset_rows():
     rssm = make_rssm()
     state = random_state(rssm, 2, seed=7)
     embed = torch.randn(2, 10, generator=gen(8))
-    post, _ = rssm.obs_step(state, torch.zeros(2, 3), embed, torch.tensor([True, False]), sample=False)
+    post = rssm.obs_step(state, torch.zeros(2, 3), embed, torch.tensor([True, False]), sample=False)
     (grad,) = torch.autograd.grad(post["deter"][0].sum(), rssm.initial_deter, retain_graph=True)
     assert to_np(grad).any()
     (grad,) = torch.autograd.grad(post["deter"][1].sum(), rssm.initial_deter, allow_unused=True)
@@ -229,7 +231,7 @@ def test_rssm_posterior_sample_is_straight_through():
     state = random_state(rssm, 4, seed=9)
     embed = torch.randn(4, 10, generator=gen(10))
     torch.manual_seed(1)
-    post, _ = rssm.obs_step(state, torch.zeros(4, 3), embed, torch.zeros(4, dtype=torch.bool))
+    post = rssm.obs_step(state, torch.zeros(4, 3), embed, torch.zeros(4, dtype=torch.bool))
     stoch = to_np(post["stoch"])
     np.testing.assert_allclose(np.minimum(np.abs(stoch), np.abs(stoch - 1)), 0.0, atol=1e-6)
     weights = torch.randn(4, 4, 4, generator=gen(11))

@@ -135,14 +135,14 @@ def test_training_starts_from_the_stored_latent_and_returns_its_posteriors(updat
     state = {"deter": torch.as_tensor(stored["latent_deter"][:, 0]),
              "stoch": torch.as_tensor(stored["latent_stoch"][:, 0])}
     for t in range(4):
-        state, _ = rssm.obs_step(state, data["action"][:, t], embed[:, t], data["is_first"][:, t])
+        state = rssm.obs_step(state, data["action"][:, t], embed[:, t], data["is_first"][:, t])
         np.testing.assert_allclose(latents["latent_deter"][:, t], state["deter"].detach().numpy(), rtol=1e-5,
                                    atol=1e-6, err_msg=str(t))
         np.testing.assert_array_equal(latents["latent_stoch"][:, t], state["stoch"].detach().numpy())
     for key in ("latent_deter", "latent_stoch"):  # the trained steps only, not the context step
         assert latents[key].shape == (2, 4, *stored[key].shape[2:]), key
     # The stored latent matters: from the initial state the first posterior differs.
-    fresh = rssm.obs_step(rssm.initial(2), data["action"][:, 0], embed[:, 0], data["is_first"][:, 0])[0]
+    fresh = rssm.obs_step(rssm.initial(2), data["action"][:, 0], embed[:, 0], data["is_first"][:, 0])
     assert not np.allclose(fresh["deter"].detach().numpy(), latents["latent_deter"][:, 0], atol=1e-3)
 
 
