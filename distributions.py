@@ -98,7 +98,7 @@ def one_hot(index, classes, dtype, dim=-1):
 class TwoHot:
     """Categorical over `bins` two-hot bins (Eq. 9-10 of the paper).
 
-    squash True (the paper's 'symlog_disc'): bins equally spaced in symlog space from low to
+    squash True (the paper's 'symlog_disc'): bins equally spaced in symlog space from -high to
     high; the prediction is symexp(E[bin]) and the loss the cross-entropy against the two-hot
     encoding of symlog(target). squash False (the 2024 recipe's 'symexp_twohot'): the bins
     themselves are symexp-spaced (symexp_bins), prediction E[bin] and target encoded as is.
@@ -109,32 +109,28 @@ class TwoHot:
     (a flip is a gather that Inductor cannot vectorise along the bins).
     """
 
-    def __init__(self, logits, low=-20.0, high=20.0, squash=True, mirrored=False):
+    def __init__(self, logits, high=20.0, squash=True, mirrored=False):
         logits = logits.float()  # distribution parameters in float32 also under autocast (official code)
         self.logits = logits  # (..., bins), in mirrored_order when mirrored
-        self.log_probs = torch.log_softmax(logits, -1)
-        self.squash, self.mirrored = squash, mirrored
+        self.squash, self.mirrored, self._log_probs = squash, mirrored, None
         if squash:
-            bins = torch.linspace(low, high, logits.shape[-1], device=logits.device)
-            if low == -high:  # exactly antisymmetric, with an exact 0 in the middle
-                bins = (bins - bins.flip(0)) / 2
+            bins = torch.linspace(-high, high, logits.shape[-1], device=logits.device)
+            bins = (bins - bins.flip(0)) / 2  # exactly antisymmetric, with an exact 0 in the middle
         else:
             bins = symexp_bins(logits.shape[-1], high, logits.device)
-        self.bins = bins  # ascending, whatever the logits' order
+        self.bins = bins  # ascending, whatever the logits' order; bins[k] == -bins[-1 - k]
 
     def mean(self):  # (...)
-        probs = self.log_probs.exp()
-        n = probs.shape[-1]
-        m = n // 2
-        bins = self.bins[mirrored_order(n, self.bins.device)] if self.mirrored else self.bins  # the logits' order
-        if n % 2 == 1:
-            # Add mirrored bins first, so that uniform probabilities predict exactly 0.
-            lower = probs[..., :m] * bins[:m]
-            lower = lower if self.mirrored else lower.flip(-1)
-            upper = probs[..., m + 1:] * bins[m + 1:]
-            expected = (lower + upper).sum(-1) + probs[..., m] * bins[m]
-        else:
-            expected = (probs * bins).sum(-1)
+        # The official code's symmetric sum, so that uniform probabilities predict exactly 0: each
+        # bin above the middle paired with its mirror image below it (the bins are antisymmetric;
+        # the middle one of an odd count is 0 and adds nothing), summed over the pairs as
+        # bin * (p_upper - p_lower). The softmax is divided out once per row: the same expectation
+        # with one exponential per bin instead of a log-softmax and its exponential.
+        n = self.logits.shape[-1]
+        exp = torch.exp(self.logits - self.logits.amax(-1, keepdim=True).detach())  # the shift cancels
+        lower = exp[..., :n // 2] if self.mirrored else exp[..., :n // 2].flip(-1)
+        upper = exp[..., (n + 1) // 2:]
+        expected = ((upper - lower) * self.bins[(n + 1) // 2:]).sum(-1) / exp.sum(-1)
         return symexp(expected) if self.squash else expected
 
     mode = mean
@@ -143,6 +139,12 @@ class TwoHot:
         value = value.float()
         target = twohot_encode(symlog(value) if self.squash else value, self.bins, self.mirrored)
         return (target * self.log_probs).sum(-1)
+
+    @property
+    def log_probs(self):  # (..., bins): computed where a loss needs them, once (the critic's two targets)
+        if self._log_probs is None:  # not functools.cached_property: its lock breaks dynamo's graph
+            self._log_probs = torch.log_softmax(self.logits, -1)
+        return self._log_probs
 
 
 def mirrored_order(num, device=None):

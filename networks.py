@@ -505,6 +505,15 @@ class MultiDecoder(nn.Module):
         return dists
 
 
+def tanh(x):
+    """tanh through one exponential, 1 - 2 / (exp(2x) + 1), within 2e-7 of torch.tanh: the GRU
+    cells' candidate runs on every recurrent step, and a compiled CPU kernel computes torch.tanh
+    (Sleef's, to 1 ulp) at several times the cost of an exponential (benchmarks/elementwise.py).
+    x is clamped to [-10, 10] first, where float32 tanh is +-1 already,
+    so that exp cannot overflow into a NaN gradient."""
+    return 1 - 2 / (torch.exp(2 * x.clamp(-10.0, 10.0)) + 1)
+
+
 class GRUCell(nn.Module):
     """GRU with LayerNorm on the gates and the update gate biased towards keeping the state."""
 
@@ -518,7 +527,7 @@ class GRUCell(nn.Module):
         parts = self.norm(self.linear(torch.cat([x, h], -1)))
         reset, cand, update = parts.chunk(3, -1)
         reset = torch.sigmoid(reset)
-        cand = torch.tanh(reset * cand)
+        cand = tanh(reset * cand)
         update = torch.sigmoid(update - 1)
         return update * cand + (1 - update) * h
 
@@ -569,7 +578,7 @@ class BlockGRUCell(nn.Module):
         x = self.hidden_act(self.hidden_norm(self.block_input(h, embed)))
         gates = self.gates(x).reshape(*h.shape[:-1], self.blocks, 3 * self.deter // self.blocks)
         reset, cand, update = (g.flatten(-2) for g in gates.chunk(3, -1))  # each gate per block
-        cand = torch.tanh(torch.sigmoid(reset) * cand)
+        cand = tanh(torch.sigmoid(reset) * cand)
         update = torch.sigmoid(update - 1)
         return update * cand + (1 - update) * h
 

@@ -179,6 +179,19 @@ def test_gemm_widths_times_the_two_hot_layer_plain_and_padded_with_equal_outputs
     assert re.fullmatch(r"onednn_speedup_first_layer=[0-9.]+|onednn=unavailable", lines[-1])
 
 
+def test_elementwise_times_both_formulas_of_each_computation_and_checks_them_equal():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "elementwise.py"), "--rows", "32", "--deter", "64",
+                          "--twohot_rows", "40", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("threads ") and "tanh rows 32 x 64" in lines[0] and "two-hot rows 40 x 255" in lines[0]
+    rows = [line.split("|")[1:-1] for line in lines[3:]]
+    assert [row[0].strip() for row in rows] == ["recurrent tanh", "two-hot mean"]
+    for _, plain_ms, our_ms, speedup, difference in rows:
+        assert float(plain_ms) > 0 and float(our_ms) > 0 and float(speedup) > 0
+        assert float(difference) < 1e-5  # rounding level: the two formulas compute the same function
+
+
 def test_auto_benchmark_commands_parse_and_its_rate_skips_the_start_up():
     """benchmarks/auto.py: every command it would run is a valid dreamer.py config (auto included), and
     frames per second are counted over the log intervals after the first."""
