@@ -2,6 +2,7 @@
 
 import math
 import threading
+import typing
 
 import numpy as np
 import torch
@@ -114,6 +115,61 @@ def make_norm(norm, size):
     return None
 
 
+# -- The dense layers' product on the CPU ------------------------------------------------------------
+# torch's CPU wheels multiply float32 matrices with MKL, which runs the tall products of this update
+# (16,384 imagined states x 640 features -> 64 units) at about two thirds of the speed of oneDNN's
+# matmul on AMD CPUs (benchmarks/gemm_widths.py). Inductor calls oneDNN's matmul only for frozen
+# inference weights, so Linear calls it as an operator of its own, which compiled graphs call as is;
+# on few rows (the policy's and the filter's steps) MKL is faster, and those stay with torch.
+ONEDNN_MIN_ROWS = 1024
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # x86 wheels
+
+
+@torch.library.custom_op("dreamer::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: typing.Optional[torch.Tensor]) -> torch.Tensor:
+    """nn.functional.linear computed by oneDNN's matmul (CPU, float32)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _onednn_linear_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _onednn_linear_backward(ctx, grad):  # the gradients of x @ weight.T + bias, by torch's products
+    x, weight = ctx.saved_tensors
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = rows.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_bias = rows.sum(0) if ctx.needs_input_grad[2] else None
+    return grad_x, grad_weight, grad_bias
+
+
+onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_linear_context)
+
+
+def linear(x, weight, bias=None):
+    """nn.functional.linear, its product in oneDNN for float32 CPU inputs of ONEDNN_MIN_ROWS rows
+    or more (not inside torch.func.vmap, for which the operator has no rule)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows >= ONEDNN_MIN_ROWS
+            and ONEDNN and not getattr(layout, "vmapped", False)):
+        return onednn_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters, initialisation and checkpoint keys) whose product is `linear`'s."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 def has_bias(norm):
     """A layer followed by LayerNorm needs no bias (the norm removes the mean); RMSNorm keeps it."""
     return norm != "layer"
@@ -121,7 +177,7 @@ def has_bias(norm):
 
 def dense(inp, out, act, norm):
     """Linear -> norm -> activation, the block every MLP here is made of."""
-    layers = [nn.Linear(inp, out, bias=has_bias(norm))]
+    layers = [Linear(inp, out, bias=has_bias(norm))]
     norm_layer = make_norm(norm, out)
     if norm_layer is not None:
         layers.append(norm_layer)
@@ -156,7 +212,7 @@ class SplitLinear(nn.Module):
     def __init__(self, inp, sizes):
         super().__init__()
         self.sizes = [int(n) for n in sizes]
-        self.parts = nn.ModuleList(nn.Linear(inp, n) for n in self.sizes)
+        self.parts = nn.ModuleList(Linear(inp, n) for n in self.sizes)
         self.in_features, self.out_features = inp, sum(self.sizes)
 
     @property
@@ -167,7 +223,7 @@ class SplitLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], -1)
 
 
-class TwoHotLinear(nn.Linear):
+class TwoHotLinear(Linear):
     """The two-hot heads' output layer: an nn.Linear (the same parameters, in the bins' ascending
     order, initialisation and checkpoint keys) whose outputs come in the bins'
     `distributions.mirrored_order` (the weight's rows read in that order), which the head's
@@ -187,7 +243,7 @@ class TwoHotLinear(nn.Linear):
         pad = -self.out_features % self.MULTIPLE
         weight = nn.functional.pad(self.weight[self.order], (0, 0, 0, pad))
         bias = nn.functional.pad(self.bias[self.order], (0, pad))
-        return nn.functional.linear(x, weight, bias)[..., :self.out_features]
+        return linear(x, weight, bias)[..., :self.out_features]
 
 
 class Head(nn.Module):
@@ -208,7 +264,7 @@ class Head(nn.Module):
         if dist in ("symlog_disc", "symexp_twohot"):
             self.out = init_(TwoHotLinear(self.mlp.outdim, bins), outscale)
         else:
-            self.out = init_(nn.Linear(self.mlp.outdim, int(np.prod(self.shape))), outscale)
+            self.out = init_(Linear(self.mlp.outdim, int(np.prod(self.shape))), outscale)
 
     def raw(self, x):  # (..., inp) -> (..., out): the distribution's parameters
         return self.out(self.mlp(x))
@@ -332,7 +388,7 @@ class ConvDecoder(nn.Module):
         stages = conv_stages(height, minres)
         self.minres, self.shape, self.sigmoid = minres, tuple(shape), sigmoid
         self.start = depth * 2 ** (stages - 1)
-        self.linear = init_(nn.Linear(inp, minres * minres * self.start))
+        self.linear = init_(Linear(inp, minres * minres * self.start))
         layers, ch = [], self.start
         for i in range(stages):
             last = i == stages - 1
@@ -399,7 +455,7 @@ class UpsampleConvDecoder(nn.Module):
         self.seed_shape = (minres, width // (height // minres), depths[-1])  # (h, w, C)
         size = int(np.prod(self.seed_shape))
         self.from_deter = BlockLinear(deter_size, size, blocks)
-        self.from_stoch = init_(nn.Sequential(*dense(stoch_size, 2 * units, act, norm), nn.Linear(2 * units, size)))
+        self.from_stoch = init_(nn.Sequential(*dense(stoch_size, 2 * units, act, norm), Linear(2 * units, size)))
         self.seed_norm = channel_norm(norm, depths[-1]) or nn.Identity()
         self.seed_act = ACTIVATIONS[act]()
         layers, inp = [], depths[-1]
@@ -519,7 +575,7 @@ class GRUCell(nn.Module):
 
     def __init__(self, inp, size, norm="layer"):
         super().__init__()
-        self.linear = nn.Linear(inp + size, 3 * size, bias=has_bias(norm))
+        self.linear = Linear(inp + size, 3 * size, bias=has_bias(norm))
         self.norm = make_norm(norm, 3 * size) or nn.Identity()
         init_(self)
 
@@ -625,8 +681,8 @@ class RSSM(nn.Module):
         self.img_out = init_(nn.Sequential(*[layer for block in img_layers for layer in block]))
         self.obs_out = init_(nn.Sequential(*dense(self.deter + embed_size, hidden, act, norm)))
         stats = self.stoch * self.discrete if self.discrete else 2 * self.stoch
-        self.img_stats = init_(nn.Linear(hidden, stats))
-        self.obs_stats = init_(nn.Linear(hidden, stats))
+        self.img_stats = init_(Linear(hidden, stats))
+        self.obs_stats = init_(Linear(hidden, stats))
         if self.initial_mode == "learned":
             self.initial_deter = nn.Parameter(torch.zeros(self.deter))
         self.feat_size = stoch_flat + self.deter
@@ -650,7 +706,7 @@ class RSSM(nn.Module):
         (..., stoch, classes) view, the layout everything else reads."""
         if self.discrete:
             rows = self.class_major
-            logit = nn.functional.linear(x, layer.weight[rows], layer.bias[rows]).float()
+            logit = linear(x, layer.weight[rows], layer.bias[rows]).float()
             logit = distributions.unimix_logits(logit.unflatten(-1, (self.discrete, self.stoch)), self.unimix, dim=-2)
             return {"logit": logit.transpose(-1, -2)}
         mean, std = layer(x).float().chunk(2, -1)

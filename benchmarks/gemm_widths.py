@@ -7,15 +7,20 @@ CPU GEMMs handle an output width that is no multiple of their vector width in a 
 project's CPU the 255-wide product took about twice the time of the 256-wide one. Rows: imagined states
 (batch 16 x 64 starts x 16 steps = 16,384), units 64 (size1m). Prints one table row per layer variant and
 the speed-up; the outputs of both are checked equal first. A second table times the heads' first layer (features
-640 -> units) in torch's product against oneDNN's.
+640 -> units) in torch's product against oneDNN's (what networks.Linear runs on many rows), at a few row counts.
 """
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import networks  # noqa: E402
 
 
 def timed(fn, repeats):
@@ -69,25 +74,28 @@ def main(argv=None):
 
 
 def first_layer(args, generator):
-    """The heads' first layer on the imagined features, forward, in torch's own product (MKL in the CPU
-    wheels) and in oneDNN's (the matmul Inductor uses for frozen inference weights), which a training
-    graph cannot call: a CPU's GEMM library sets much of the update's speed."""
-    x = torch.randn(args.rows, args.features, generator=generator)
-    weight = torch.randn(args.units, args.features, generator=generator)
-    bias = torch.randn(args.units, generator=generator)
-    print(f"\nthe heads' first layer: rows {args.rows}  features {args.features}  units {args.units}, forward")
-    print("| library | forward ms |")
-    print("|---|---|")
-    torch_ms = timed(lambda: F.linear(x, weight, bias), args.repeats)
-    print(f"| torch (F.linear) | {torch_ms:.2f} |")
-    if not torch.backends.mkldnn.is_available():
+    """The heads' first layer (features -> units), forward, in torch's own product (MKL in the CPU wheels) and in
+    oneDNN's, which networks.Linear calls (networks.onednn_linear) on inputs of networks.ONEDNN_MIN_ROWS rows or
+    more, at a few row counts: the update's rows (the imagined states) and fewer (the world model's 1,024 replayed
+    steps, a policy step's few)."""
+    print(f"\nthe heads' first layer: features {args.features}  units {args.units}, forward, by rows")
+    print("| rows | torch (F.linear) ms | oneDNN (networks.onednn_linear) ms | speed-up |")
+    print("|---|---|---|---|")
+    if not networks.ONEDNN:
         print("onednn=unavailable")
         return
-    onednn = torch.ops.mkldnn._linear_pointwise
-    assert torch.allclose(onednn(x, weight, bias, "none", [], ""), F.linear(x, weight, bias), rtol=1e-4, atol=1e-3)
-    onednn_ms = timed(lambda: onednn(x, weight, bias, "none", [], ""), args.repeats)
-    print(f"| oneDNN (mkldnn._linear_pointwise) | {onednn_ms:.2f} |")
-    print(f"onednn_speedup_first_layer={torch_ms / onednn_ms:.2f}")
+    for rows in sorted({16, 256, 1024, args.rows}):
+        x = torch.randn(rows, args.features, generator=generator)
+        weight = torch.randn(args.units, args.features, generator=generator)
+        bias = torch.randn(args.units, generator=generator)
+        with torch.no_grad():
+            assert torch.allclose(networks.onednn_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-4,
+                                  atol=1e-3)
+            repeats = args.repeats * max(1, 1024 // rows)  # short products: more calls for a stable median
+            torch_ms = timed(lambda args=(x, weight, bias): F.linear(*args), repeats)
+            onednn_ms = timed(lambda args=(x, weight, bias): networks.onednn_linear(*args), repeats)
+        print(f"| {rows} | {torch_ms:.3f} | {onednn_ms:.3f} | {torch_ms / onednn_ms:.2f} |")
+    print(f"onednn_min_rows={networks.ONEDNN_MIN_ROWS}")
 
 
 if __name__ == "__main__":

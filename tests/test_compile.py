@@ -298,6 +298,7 @@ COMPILED_INSIDE = {
     "Actor": "its body is an MLP",
     "SplitLinear": "the output layers after a compiled MLP, eager as the single nn.Linear they replaced",
     "TwoHotLinear": "the two-hot heads' output layer after a compiled MLP, eager as the nn.Linear it reorders",
+    "Linear": "the dense layer inside compiled bodies, or an output layer after them, eager as nn.Linear",
     "MultiEncoder": "concatenates its keys around the compiled CNN and MLP",
     "MultiDecoder": "splits the compiled CNN's and MLP's outputs into keys",
     "RSSM": "its per-step functions obs_step and img_step are compiled",

@@ -280,7 +280,7 @@ def test_two_hot_output_layer_is_the_255_output_layer_in_mirrored_order_with_its
     np.testing.assert_allclose(to_np(head.out.bias.grad), grad_bias, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(to_np(x.grad), (flat_up @ weight[order]).reshape(5, 3, 16), rtol=1e-4, atol=1e-4)
     assert head.dist(out).mirrored
-    assert type(networks.Head(7, (), 1, 16, "SiLU", "rms", "binary").out) is torch.nn.Linear
+    assert type(networks.Head(7, (), 1, 16, "SiLU", "rms", "binary").out) is networks.Linear
 
 
 @pytest.mark.parametrize("dist", ["symlog_disc", "symlog_mse"])
@@ -504,3 +504,46 @@ def test_tanh_of_the_recurrent_cells_is_tanh_with_its_gradient():
     assert torch.isfinite(grad).all()
     np.testing.assert_allclose(grad.numpy(), 1 - want ** 2, rtol=0, atol=5e-7)
     assert networks.tanh(torch.tensor(float("nan"))).isnan()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("rows", [8, 1536], ids=["few_rows", "many_rows"])
+def test_linear_is_the_affine_map_with_its_gradients_and_many_rows_go_to_onednn(rows, bias, monkeypatch):
+    """networks.Linear against x @ W^T + b and its gradients written out in float64, eager and compiled; inputs of
+    ONEDNN_MIN_ROWS rows or more call the oneDNN operator (where this torch has it), fewer rows torch's product."""
+    calls = []
+    operator = networks.onednn_linear
+    monkeypatch.setattr(networks, "onednn_linear", lambda *args: calls.append(1) or operator(*args))
+    generator = gen(20)
+    layer = networks.Linear(48, 24, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 48, generator=generator))
+        if bias:
+            layer.bias.copy_(torch.randn(24, generator=generator))
+    x = torch.randn(2, rows // 2, 48, generator=generator, requires_grad=True)
+    upstream = torch.randn(2, rows // 2, 24, generator=generator)
+    weight, xs, ups = (to_np(t).astype(np.float64) for t in (layer.weight, x, upstream))
+    want = xs @ weight.T + (to_np(layer.bias).astype(np.float64) if bias else 0.0)
+    flat = ups.reshape(-1, 24)
+    grads = {"x": ups @ weight, "weight": flat.T @ xs.reshape(-1, 48), "bias": flat.sum(0)}
+    params = [x, layer.weight] + ([layer.bias] if bias else [])
+    for name, fn in (("eager", layer), ("compiled", torch.compile(layer, fullgraph=True))):
+        out = fn(x)
+        np.testing.assert_allclose(to_np(out), want, rtol=1e-4, atol=1e-4, err_msg=name)
+        for key, got in zip(("x", "weight", "bias"), torch.autograd.grad(out, params, upstream)):
+            np.testing.assert_allclose(to_np(got), grads[key], rtol=1e-4, atol=1e-3, err_msg=f"{name} {key}")
+    assert len(calls) == (2 if rows >= networks.ONEDNN_MIN_ROWS and networks.ONEDNN else 0)
+
+
+def test_linear_under_vmap_uses_torch_product():
+    """Inside seeds.vmapped (the batched seeds' update) the oneDNN operator, which has no vmap rule, is not called:
+    the vmapped layer equals the layer applied to each member."""
+    import seeds  # the seeds' vmap context, which sets networks.layout
+    layer = networks.Linear(16, 8)
+    x = torch.randn(3, 2048, 16, generator=gen(21))
+    weights = {k: torch.stack([v, 2 * v, -v]) for k, v in layer.named_parameters()}
+    with seeds.vmapped():
+        got = torch.func.vmap(lambda w, x: torch.func.functional_call(layer, w, (x,)))(weights, x)
+    for i, scale in enumerate((1, 2, -1)):
+        want = torch.nn.functional.linear(x[i], scale * layer.weight, scale * layer.bias)
+        np.testing.assert_allclose(to_np(got[i]), to_np(want), rtol=1e-5, atol=1e-5)
