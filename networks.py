@@ -565,8 +565,8 @@ def tanh(x):
     """tanh through one exponential, 1 - 2 / (exp(2x) + 1), within 2e-7 of torch.tanh: the GRU
     cells' candidate runs on every recurrent step, and a compiled CPU kernel computes torch.tanh
     (Sleef's, to 1 ulp) at several times the cost of an exponential (benchmarks/elementwise.py).
-    x is clamped to [-10, 10] first, where float32 tanh is +-1 already,
-    so that exp cannot overflow into a NaN gradient."""
+    x is clamped to [-10, 10] first, where float32 tanh is +-1 already, so that exp cannot
+    overflow into a NaN gradient."""
     return 1 - 2 / (torch.exp(2 * x.clamp(-10.0, 10.0)) + 1)
 
 
@@ -736,11 +736,11 @@ class RSSM(nn.Module):
             deter = torch.zeros(batch, self.deter, device=device)
         else:
             deter = torch.tanh(self.initial_deter).expand(batch, self.deter)
-        stats = self.prior_stats(deter)
-        stoch = self._draw(stats, sample=False)
+        prior = self.prior(deter)
+        stoch = self._draw(prior, sample=False)
         if self.initial_mode == "zeros":
             stoch = torch.zeros_like(stoch)
-        return {"deter": deter, "stoch": stoch, **stats}
+        return {"deter": deter, "stoch": stoch, **prior}
 
     def get_feat(self, state):  # -> (..., stoch*discrete + deter)
         stoch = state["stoch"]
@@ -752,9 +752,8 @@ class RSSM(nn.Module):
 
     def img_step(self, state, action, sample=True):
         """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1}), and its sample z_t."""
-        deter = self._deter(state, action)
-        stats = self.prior_stats(deter)
-        return {"deter": deter, "stoch": self._draw(stats, sample), **stats}
+        prior = self.prior(self._deter(state, action))
+        return {"deter": prior["deter"], "stoch": self._draw(prior, sample), **prior}
 
     def _deter(self, state, action):
         """h_t = f(h_{t-1}, z_{t-1}, a_{t-1}): the recurrent step (a method of its own, not a call
@@ -768,14 +767,11 @@ class RSSM(nn.Module):
             deter = self.cell(x, deter)
         return deter
 
-    def prior_stats(self, deter):
-        """The prior's distribution parameters at deter (..., D)."""
-        return self._stats(self.img_stats, self.img_out(deter))
-
     def prior(self, deter):
-        """The prior p(z_t | h_t) of an observed sequence's deter (..., D), after the filter, as
-        the official code computes it (rssm.loss): {deter, and its parameters}, no sample."""
-        return {"deter": deter, **self.prior_stats(deter)}
+        """The prior p(z_t | h_t) at deter (..., D): {deter, and its distribution's parameters}, no
+        sample. An observed sequence's priors come from it after the filter, as the official code
+        computes them (rssm.loss); img_step draws from it."""
+        return {"deter": deter, **self._stats(self.img_stats, self.img_out(deter))}
 
     def obs_step(self, state, action, embed, is_first, sample=True, init=None):
         """Posterior q(z_t | h_t, x_t); resets state and action where is_first. The prior is not
