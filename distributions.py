@@ -136,9 +136,15 @@ class TwoHot:
     mode = mean
 
     def log_prob(self, value):  # value: (...) -> (...)
+        # The two-hot target's sum with the log-probabilities read at its two bins: the same sum
+        # (the other terms are zeros), and the dense target, compiled, saved a mask per bin for the
+        # backward pass that its kernels stored one byte at a time (a quarter of the imagined
+        # loss's time at size1m; benchmarks/README, round 25).
         value = value.float()
-        target = twohot_encode(symlog(value) if self.squash else value, self.bins, self.mirrored)
-        return (target * self.log_probs).sum(-1)
+        below, above, weight_below, weight_above = twohot_positions(
+            symlog(value) if self.squash else value, self.bins, self.mirrored)
+        pick = lambda index: self.log_probs.gather(-1, index[..., None])[..., 0]  # noqa: E731
+        return weight_below * pick(below) + weight_above * pick(above)
 
     @property
     def log_probs(self):  # (..., bins): computed where a loss needs them, once (the critic's two targets)
@@ -163,9 +169,11 @@ def symexp_bins(num, high=20.0, device=None):
     return torch.cat([half, mirror])
 
 
-def twohot_encode(x, bins, mirrored=False):
-    """Two-hot target (..., bins) for values x (...) already in bin space, over the ascending
-    `bins` or, mirrored, in their mirrored_order."""
+def twohot_positions(x, bins, mirrored=False):
+    """The two-hot encoding of values x (...) as the positions of its two bins (below, above),
+    int64 (...), and their weights (...), as the official code computes them: the bins nearest
+    below and above x, weighted by the distance to the other one; outside the bins all weight on
+    the nearest end (below == above, two halves)."""
     num = len(bins)
     below = ((bins <= x[..., None]).sum(-1) - 1).clamp(0, num - 1)
     above = (num - (bins > x[..., None]).sum(-1)).clamp(0, num - 1)
@@ -177,8 +185,7 @@ def twohot_encode(x, bins, mirrored=False):
         half = num // 2
         below = torch.where(below < half, half - 1 - below, below)
         above = torch.where(above < half, half - 1 - above, above)
-    return (one_hot(below, num, x.dtype) * (dist_above / total)[..., None]
-            + one_hot(above, num, x.dtype) * (dist_below / total)[..., None])
+    return below, above, dist_above / total, dist_below / total
 
 
 class SymlogMSE:

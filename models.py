@@ -389,7 +389,15 @@ class ActorCritic(nn.Module):
                 with torch.set_grad_enabled(through_dynamics and torch.is_grad_enabled()):
                     # Rewards of the states reached, steps 1..H: (H, N).
                     reward, reward_metrics = self.reward_fn(feat[1:], action[1:])
+                # The critic's prediction on the detached features trains the critic. Under
+                # REINFORCE no gradient flows through the values either, so they are that same
+                # prediction, detached, as the official code reads both from one pass; the
+                # dynamics gradient needs a second pass, through feat (`values`).
+                critic_out = self.critic.raw(feat.detach())
+                if through_dynamics:
                     value = self.values(feat)  # (H+1, N)
+                else:
+                    value = self.critic.dist(critic_out.detach()).mean()
                 with torch.no_grad():  # the continue flags carry no gradient
                     cont, discount = wm.imagined_cont(feat, start_cont)  # (H+1, N), float
                 # The weight discounts losses of states the model believes lie past an episode end.
@@ -401,11 +409,11 @@ class ActorCritic(nn.Module):
                 # also flows through v(s_t) of the imagined states (into the actor only).
                 actor, metrics = self.actor_loss(action, returns, weight, policy, value[:-1])
             with profiled("critic"):
-                critic_dist = self.critic.dist(self.critic.raw(feat.detach())[:-1])
-                critic, critic_metrics = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
-                metrics.update(critic_metrics)
+                critic_dist = self.critic.dist(critic_out[:-1])
+                critic = self.critic_loss(feat.detach(), returns.detach(), weight, critic_dist)
+        # critic_value: the critic's prediction at steps 0..H-1, which the values are (`values`).
         metrics.update(imag_reward=reward.detach().mean(), imag_return=returns.detach().mean(),
-                       imag_value=value.detach().mean(), **reward_metrics)
+                       imag_value=value.detach().mean(), critic_value=value[:-1].detach().mean(), **reward_metrics)
         return {"policy": actor, "value": critic}, returns, metrics
 
     def values(self, feat):
@@ -450,7 +458,7 @@ class ActorCritic(nn.Module):
         prediction at the features feat[:-1].
         """
         loss = self.regress(dist, feat[:-1], returns)
-        return (weight[:-1] * loss).mean(0), {"critic_value": dist.mean().detach().mean()}
+        return (weight[:-1] * loss).mean(0)
 
     def regress(self, dist, feat, returns):
         """-log p(returns) under the critic's prediction `dist` at the features `feat`; with

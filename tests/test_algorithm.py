@@ -164,10 +164,18 @@ def test_twohot_bins_are_255_in_symlog_space_from_minus_20_to_20():
     np.testing.assert_allclose(to_np(dist.bins), np.linspace(-20, 20, 255), atol=1e-5)
 
 
+def twohot_encode(x, bins, mirrored=False):
+    """The dense two-hot target (..., bins) of distributions.twohot_positions."""
+    below, above, weight_below, weight_above = distributions.twohot_positions(x, bins, mirrored)
+    target = torch.zeros(*x.shape, len(bins))
+    target.scatter_add_(-1, below[..., None], weight_below[..., None])
+    return target.scatter_add_(-1, above[..., None], weight_above[..., None])
+
+
 @pytest.mark.parametrize("x", [-25.0, -20.0, -19.99, -3.3, -1e-3, 0.0, 0.05, 7.123, 19.9, 20.0, 21.0, 1e4])
 def test_twohot_encode_matches_hand_built_target(x):
     bins = torch.linspace(-20, 20, 255)
-    got = to_np(distributions.twohot_encode(torch.tensor([x]), bins))[0]
+    got = to_np(twohot_encode(torch.tensor([x]), bins))[0]
     want = np_twohot(np.float32(x).item(), to_np(bins))
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert got.sum() == pytest.approx(1.0, abs=1e-6)
@@ -179,7 +187,7 @@ def test_twohot_encode_matches_hand_built_target(x):
 def test_twohot_encode_exactly_on_a_bin_is_one_hot():
     bins = torch.linspace(-20, 20, 255)
     for k in (0, 1, 100, 253, 254):
-        got = to_np(distributions.twohot_encode(bins[k:k + 1], bins))[0]
+        got = to_np(twohot_encode(bins[k:k + 1], bins))[0]
         want = np.zeros(255)
         want[k] = 1.0
         np.testing.assert_allclose(got, want, atol=1e-6)
@@ -188,7 +196,7 @@ def test_twohot_encode_exactly_on_a_bin_is_one_hot():
 def test_twohot_encode_batched_shapes():
     bins = torch.linspace(-20, 20, 255)
     x = torch.linspace(-30, 30, 24).reshape(2, 3, 4)
-    got = distributions.twohot_encode(x, bins)
+    got = twohot_encode(x, bins)
     assert got.shape == (2, 3, 4, 255)
     for index in np.ndindex(2, 3, 4):
         np.testing.assert_allclose(to_np(got[index]), np_twohot(x[index].item(), to_np(bins)), atol=1e-5)
@@ -203,6 +211,23 @@ def test_twohot_log_prob_against_hand_built_target():
     log_probs = np_log_softmax(to_np(logits))
     want = [(np_twohot(np_symlog(v), bins) * log_probs[i]).sum() for i, v in enumerate(to_np(values))]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_twohot_log_prob_gradient_is_target_minus_softmax(mirrored):
+    """d log_prob / d logits = target - softmax (the target's weights sum to 1), written out in
+    float64, also for values outside the bins and exactly on one; mirrored logits in their order."""
+    gen = torch.Generator().manual_seed(4)
+    bins = np.linspace(-20, 20, 255)
+    values = np.array([-1e9, -3.3, -0.2, 0.0, np_symexp(bins[200]), 5.0, 123.0, 1e9])
+    natural = torch.randn(len(values), 255, generator=gen, dtype=torch.float64) * 3
+    logits = (natural[:, MIRRORED_255] if mirrored else natural).clone().requires_grad_()
+    dist = distributions.TwoHot(logits, mirrored=mirrored)
+    (grad,) = torch.autograd.grad(dist.log_prob(torch.tensor(values)).sum(), logits)
+    grad = to_np(grad)[:, np.argsort(MIRRORED_255)] if mirrored else to_np(grad)
+    target = np.stack([np_twohot(np_symlog(v), bins) for v in values])
+    want = target - np.exp(np_log_softmax(to_np(natural)))
+    np.testing.assert_allclose(grad, want, atol=1e-5)
 
 
 def test_twohot_mean_is_symexp_of_expected_bin():
@@ -254,8 +279,8 @@ def test_twohot_mirrored_reads_logits_in_mirrored_order_as_the_natural_ones(squa
 def test_twohot_encode_mirrored_is_the_natural_target_permuted():
     bins = torch.linspace(-20, 20, 255)
     x = torch.tensor([-25.0, -20.0, -3.3, 0.0, 0.05, bins[3].item(), 19.9, 21.0])
-    natural = to_np(distributions.twohot_encode(x, bins))
-    mirrored = to_np(distributions.twohot_encode(x, bins, mirrored=True))
+    natural = to_np(twohot_encode(x, bins))
+    mirrored = to_np(twohot_encode(x, bins, mirrored=True))
     np.testing.assert_array_equal(mirrored, natural[:, MIRRORED_255])
 
 
@@ -703,7 +728,7 @@ def test_critic_loss_two_hot_with_slow_regulariser(slow_target):
     _, _, ac = make_actor_critic("--critic.outscale", "1.0", "--critic.slow_target", str(slow_target))
     perturb(ac.slow_critic, 33)
     feat, returns, weight = critic_inputs(ac)
-    loss, _ = critic_loss_as_trained(ac, feat, returns, weight)
+    loss = critic_loss_as_trained(ac, feat, returns, weight)
     bins = np.linspace(-20, 20, 255)
     natural = np.argsort(MIRRORED_255)  # the heads emit their logits in the mirrored order
     with torch.no_grad():
@@ -723,7 +748,7 @@ def test_critic_loss_symlog_mse_with_slow_regulariser():
     _, _, ac = make_actor_critic("--critic.outscale", "1.0", "--critic.dist", "symlog_mse")
     perturb(ac.slow_critic, 34)
     feat, returns, weight = critic_inputs(ac)
-    loss, _ = critic_loss_as_trained(ac, feat, returns, weight)
+    loss = critic_loss_as_trained(ac, feat, returns, weight)
     with torch.no_grad():
         pred = to_np(ac.critic.out(ac.critic.mlp(feat[:-1])))[..., 0]
         slow = to_np(ac.slow_critic.out(ac.slow_critic.mlp(feat[:-1])))[..., 0]
@@ -814,6 +839,23 @@ def test_actor_loss_gradient_matches_v1_including_the_critic_baseline(mode):
         detached = (returns - low) / scale - (base.detach() - low) / scale
         without_base = grads(((-detached - 0.05 * entropy) * weight[:-1]).mean())
         assert (got[0] - without_base[0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("mode, passes", [("reinforce", 1), ("dynamics", 2)])
+def test_imagined_loss_runs_the_critic_once_under_reinforce(mode, passes):
+    """The official code reads the values and the critic's prediction from one pass of the critic;
+    only the dynamics gradient needs a second one, through the features. critic_value is the
+    prediction at steps 0..H-1, written out."""
+    _, _, ac = make_actor_critic("--imag_gradient", mode, "--critic.outscale", "1.0")
+    feat, action, _, _ = actor_inputs(ac)
+    calls = []
+    first = next(m for m in ac.critic.modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_hook(lambda *_: calls.append(1))
+    _, _, metrics = ac.imagined_loss(feat, action, ac.actor.raw(feat), torch.ones(feat.shape[1]))
+    assert len(calls) == passes
+    with torch.no_grad():
+        want = reference.twohot_mean(reference.mlp_head(ac.critic, feat[:-1]), ac.config.critic.dist)
+    assert metrics["critic_value"].item() == pytest.approx(want.mean().item(), rel=1e-5)
 
 
 def test_actor_loss_entropy_weight():
