@@ -138,8 +138,8 @@ class TwoHot:
     def log_prob(self, value):  # value: (...) -> (...)
         # The two-hot target's sum with the log-probabilities read at its two bins: the same sum
         # (the other terms are zeros), and the dense target, compiled, saved a mask per bin for the
-        # backward pass that its kernels stored one byte at a time (a quarter of the imagined
-        # loss's time at size1m; benchmarks/README, round 25).
+        # backward pass that its kernels stored one byte at a time (about a tenth of the compiled
+        # imagined loss's time at size1m; benchmarks/README, round 25).
         value = value.float()
         below, above, weight_below, weight_above = twohot_positions(
             symlog(value) if self.squash else value, self.bins, self.mirrored)

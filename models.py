@@ -417,9 +417,9 @@ class ActorCritic(nn.Module):
         return {"policy": actor, "value": critic}, returns, metrics
 
     def values(self, feat):
-        """The critic's values of feat (..., F) with its weights detached: the λ-returns bootstrap
-        from them and the actor's baseline is them, so that only the critic's own loss trains it
-        while the dynamics gradient still flows through feat."""
+        """The critic's values of feat (..., F) with its weights detached, for the dynamics
+        gradient: the λ-returns bootstrap from them and the actor's baseline is them, so that only
+        the critic's own loss trains it while the dynamics gradient still flows through feat."""
         weights = {k: v.detach() for k, v in self.critic.named_parameters()}
         weights.update(self.critic.named_buffers())
         return torch.func.functional_call(self.critic, weights, (feat,), strict=True).mean()
