@@ -182,7 +182,11 @@ def np_block_gru(cell, stoch, action, h):
     return update * cand + (1 - update) * h
 
 
-def test_block_gru_cell_matches_the_written_out_step():
+@pytest.mark.parametrize("blockwise", [False, True], ids=["all_blocks", "block_by_block"])
+def test_block_gru_cell_matches_the_written_out_step(blockwise, monkeypatch):
+    """The cell's step against the written-out one, its gates computed for all blocks at once and (the CPU's way
+    from networks.BLOCKWISE_MIN_ROWS rows on, here forced on 3 rows) block by block."""
+    monkeypatch.setattr(networks, "BLOCKWISE_MIN_ROWS", 1 if blockwise else 10 ** 9)
     torch.manual_seed(0)
     cell = networks.BlockGRUCell(6, 2, 5, 8, 4, "SiLU", "rms")
     with torch.no_grad():
