@@ -643,9 +643,8 @@ class BlockGRUCell(nn.Module):
         if h.device.type == "cpu" and h.numel() // self.deter >= BLOCKWISE_MIN_ROWS:
             # Block by block, each block's gates used while they are in the cache (see BLOCKWISE_MIN_ROWS).
             size, layer = self.deter // self.blocks, self.gates
-            bias = layer.bias.reshape(self.blocks, -1)
-            return torch.cat([self.update(x[..., k * size:(k + 1) * size] @ layer.weight[k] + bias[k],
-                                          h[..., k * size:(k + 1) * size]) for k in range(self.blocks)], -1)
+            blocks = zip(x.split(size, -1), h.split(size, -1), layer.weight, layer.bias.chunk(self.blocks))
+            return torch.cat([self.update(xk @ weight + bias, hk) for xk, hk, weight, bias in blocks], -1)
         gates = self.gates(x).reshape(*h.shape[:-1], self.blocks, 3 * self.deter // self.blocks)
         return self.update(gates, h.reshape(*h.shape[:-1], self.blocks, -1)).flatten(-2)
 
