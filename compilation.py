@@ -64,8 +64,7 @@ class Region:
 
     def __init__(self, fn, name, cuda_graphs, step=False):
         self.eager, self.name, self.cuda_graphs, self.step = fn, name, cuda_graphs, step
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
-                                      mode="reduce-overhead" if cuda_graphs else None)
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, **compile_settings(cuda_graphs, name))
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
@@ -78,6 +77,27 @@ class Region:
                                   "--compile False runs eagerly", how=" as one graph") from e
         self.calls += 1
         return outlive(result, self.cuda_graphs) if self.step else result
+
+
+# The regions whose every operation is a step's few rows (the filter's chunks: batch_size rows per
+# step), whose kernels take microseconds, so that calling each from Python costs about as much as
+# running it: off CUDA they are compiled with Inductor's C++ wrapper, which calls them from C++
+# (on CUDA a CUDA graph replays them). The filter alone went from 65.6 to 57.5 ms per update at
+# recipe2024 size1m (benchmarks/README, round 27). The other regions, of 1,024 rows and more per
+# operation, keep the Python wrapper.
+CPP_WRAPPED = ("RSSM.observe_chunk",)
+
+
+def compile_settings(cuda_graphs, name):
+    """torch.compile's mode or options for the region `name`: on CUDA its CUDA-graph mode;
+    elsewhere the random numbers drawn by torch.rand, not by Inductor's own generator
+    (`fallback_random`), whose CPU code computes a Philox draw per element, unvectorised, at about
+    three times torch.rand's cost (the RSSM's samples, benchmarks/README round 27): the draws are
+    then exactly those an eager run makes from the same generator state (on CUDA Inductor's
+    generator runs fused in its kernels); and Inductor's C++ wrapper for CPP_WRAPPED."""
+    if cuda_graphs:
+        return {"mode": "reduce-overhead"}
+    return {"options": {"fallback_random": True, "cpp_wrapper": name in CPP_WRAPPED}}
 
 
 class Step:

@@ -27,6 +27,7 @@ import torch
 
 import compilation
 import config as cfg
+import distributions
 import dreamer
 import envs
 import launch
@@ -328,6 +329,42 @@ def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
                        match=r"Example\.loss cannot be compiled as one graph.*--compile True"):
         region(torch.ones(3))
     assert region.calls == 0
+
+
+@pytest.mark.parametrize("name", ["Example.sample", "RSSM.observe_chunk"])  # Python and C++ wrappers
+def test_a_cpu_region_draws_the_random_numbers_an_eager_run_draws(name):
+    """Inductor itself, with its own generator switched on (this module's fixture switches it
+    off for every compile): a region off CUDA still draws the samples' noise by torch.rand and
+    normal_, from the generator an eager run draws from, in the same order, also the filter's
+    chunk, which Inductor's C++ wrapper calls (compilation.CPP_WRAPPED)."""
+    def noisy(x):
+        return x * distributions.uniform(x.shape, x.device) + distributions.normal(x.shape, x.device)
+
+    x = torch.linspace(-1.0, 1.0, 4096)
+    torch.manual_seed(3)
+    want = noisy(x)
+    with torch._inductor.config.patch(fallback_random=False):
+        region = compilation.Region(noisy, name, cuda_graphs=False)
+        torch.manual_seed(3)
+        got = region(x)
+    assert region.calls == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_only_the_filters_chunks_are_compiled_with_inductors_cpp_wrapper_and_only_off_cuda(monkeypatch):
+    """The regions of a step's few rows (the filter's chunks) call their kernels from C++ on the
+    CPU; every other region keeps the Python wrapper; on CUDA every region is a CUDA graph."""
+    calls = []  # not the `backend` fixture's own compile of each region, where a test before set it up
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: "backend" in kwargs or calls.append(kwargs) or fn)
+    names = ["RSSM.observe_chunk", "ActorCritic.imagine_steps", "WorldModel.loss_terms", "Dreamer.act"]
+    for name in names:
+        compilation.Region(lambda x: x, name, cuda_graphs=False)
+    assert [kwargs["options"]["cpp_wrapper"] for kwargs in calls] == [True, False, False, False]
+    assert all(kwargs["options"]["fallback_random"] and "mode" not in kwargs for kwargs in calls)
+    calls.clear()
+    for name in names:
+        compilation.Region(lambda x: x, name, cuda_graphs=True)
+    assert calls == [{"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}] * len(names)
 
 
 def test_a_region_reports_dynamos_recompile_limit_error_as_a_compile_error(backend):
