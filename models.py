@@ -464,12 +464,11 @@ class ActorCritic(nn.Module):
         """-log p(returns) under the critic's prediction `dist` at the features `feat`; with
         slow_target also -log p of the slow critic's prediction there, which stabilises learning
         (Section 3, Critic learning). The one critic regression of imagined and replayed returns."""
-        loss = -dist.log_prob(returns)
+        targets = [returns]
         if self.config.critic.slow_target:
             with torch.no_grad():
-                slow = self.slow_critic(feat).mean()
-            loss = loss - dist.log_prob(slow)
-        return loss
+                targets.append(self.slow_critic(feat).mean())
+        return -dist.log_prob_sum(targets)
 
     def replay_loss(self, feat, data, boot):
         """The replay value loss of the 2024 recipe: the critic also learns λ-returns of the replayed

@@ -230,6 +230,28 @@ def test_twohot_log_prob_gradient_is_target_minus_softmax(mirrored):
     np.testing.assert_allclose(grad, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_twohot_log_prob_sum_of_two_targets_against_hand_built_targets(mirrored):
+    """The critic's two targets (returns and the slow critic's values) read by one gather: the sum
+    of both hand-built two-hot targets times the log-softmax, and its gradient the sum of the
+    targets minus twice the softmax, written out in float64 (the targets' weights are float32, as
+    the distribution computes them); every row's targets differ, some outside the bins."""
+    gen = torch.Generator().manual_seed(5)
+    bins = np.linspace(-20, 20, 255)
+    first = np.array([-1e9, -3.3, -0.2, 0.0, np_symexp(bins[200]), 5.0, 123.0, 1e9])
+    second = np.array([7.5, -1e6, 0.01, -42.0, 2.5, np_symexp(bins[3]), -0.6, 3.0])
+    natural = torch.randn(len(first), 255, generator=gen, dtype=torch.float64) * 3
+    logits = (natural[:, MIRRORED_255] if mirrored else natural).clone().requires_grad_()
+    dist = distributions.TwoHot(logits, mirrored=mirrored)
+    got = dist.log_prob_sum([torch.tensor(first), torch.tensor(second)])
+    (grad,) = torch.autograd.grad(got.sum(), logits)
+    grad = to_np(grad)[:, np.argsort(MIRRORED_255)] if mirrored else to_np(grad)
+    target = np.stack([np_twohot(np_symlog(a), bins) + np_twohot(np_symlog(b), bins) for a, b in zip(first, second)])
+    log_probs = np_log_softmax(to_np(natural))
+    np.testing.assert_allclose(to_np(got), (target * log_probs).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(grad, target - 2 * np.exp(log_probs), atol=1e-5)
+
+
 def test_twohot_mean_is_symexp_of_expected_bin():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 3, 255, generator=gen) * 2
