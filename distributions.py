@@ -185,8 +185,10 @@ def twohot_positions(x, bins, mirrored=False):
     the nearest end (below == above, two halves)."""
     num = len(bins)
     # The count of bins at or below x by binary search (the bins ascend): the same positions as
-    # counting the comparisons with every bin, which compiled took five times as long (round 27).
-    at_or_below = torch.searchsorted(bins, x.contiguous(), right=True)
+    # counting the comparisons with every bin, which compiled took five times as long
+    # (benchmarks/README, round 27). Flat, so that it always gets a contiguous input (else it
+    # copies one and warns), also where a compiled graph lays the values out strided.
+    at_or_below = torch.bucketize(x.reshape(-1), bins, right=True).reshape(x.shape)
     below = (at_or_below - 1).clamp(0, num - 1)
     above = at_or_below.clamp(0, num - 1)
     equal = below == above
