@@ -186,9 +186,9 @@ def twohot_positions(x, bins, mirrored=False):
     num = len(bins)
     # The count of bins at or below x by binary search (the bins ascend): the same positions as
     # counting the comparisons with every bin, which compiled took five times as long
-    # (benchmarks/README, round 27). Flat, so that it always gets a contiguous input (else it
-    # copies one and warns), also where a compiled graph lays the values out strided.
-    at_or_below = torch.bucketize(x.reshape(-1), bins, right=True).reshape(x.shape)
+    # (benchmarks/README, round 27). Flat and contiguous, so that it never copies its input and warns,
+    # also where a compiled graph lays the values out strided (reshape) or a 1-D view is (contiguous).
+    at_or_below = torch.bucketize(x.reshape(-1).contiguous(), bins, right=True).reshape(x.shape)
     below = (at_or_below - 1).clamp(0, num - 1)
     above = at_or_below.clamp(0, num - 1)
     equal = below == above
