@@ -269,9 +269,13 @@ def unimix_logits(logits, unimix, dim=-1):
     """Mix `unimix` of the uniform distribution into a softmax over `dim` and return its logits."""
     if unimix <= 0:
         return logits
+    return torch.log(unimix_probs(logits, unimix, dim))
+
+
+def unimix_probs(logits, unimix, dim=-1):
+    """The softmax over `dim` with `unimix` of the uniform distribution mixed in."""
     probs = torch.softmax(logits, dim)
-    probs = (1 - unimix) * probs + unimix / logits.shape[dim]
-    return torch.log(probs)
+    return probs if unimix <= 0 else (1 - unimix) * probs + unimix / logits.shape[dim]
 
 
 class OneHot:
@@ -285,6 +289,18 @@ class OneHot:
         self.logits = unimix_logits(logits.float(), unimix, dim)  # (..., classes, ...)
         self.log_probs = torch.log_softmax(self.logits, dim)
         self.probs = self.log_probs.exp()
+
+    @classmethod
+    def from_probs(cls, probs, dim=-1):
+        """The categorical of normalised `probs` (..., classes, ...), its logits their log. Sampling
+        reads the probabilities as given: the RSSM draws every latent from its unimix
+        probabilities so, without their log, log-softmax and exponential on the way (which a
+        compiled rollout then never computes; benchmarks/README, round 28)."""
+        assert dim < 0, dim
+        dist = cls.__new__(cls)
+        dist.dim, dist.probs = dim, probs.float()
+        dist.logits = dist.log_probs = torch.log(dist.probs)
+        return dist
 
     def mode(self):
         onehot = one_hot(self.logits.argmax(self.dim), self.logits.shape[self.dim], self.probs.dtype, self.dim)

@@ -713,7 +713,9 @@ class RSSM(nn.Module):
 
     def _stats(self, layer, x):
         """The distribution's parameters from its output layer (img_stats or obs_stats) on x, in
-        float32 also under autocast, as in the official code.
+        float32 also under autocast, as in the official code; with them, for categoricals, their
+        unimix probabilities, class-major (..., classes, stoch), which `_draw` samples (None for
+        Gaussians). The logits are the probabilities' log, as the official code mixes them.
 
         Categorical logits leave the layer class-major, its rows taken in (class, categorical)
         order (`class_major`), and are mixed (unimix) and sampled (`_draw`) in that layout: the
@@ -723,20 +725,25 @@ class RSSM(nn.Module):
         (..., stoch, classes) view, the layout everything else reads."""
         if self.discrete:
             rows = self.class_major
-            logit = linear(x, layer.weight[rows], layer.bias[rows]).float()
-            logit = distributions.unimix_logits(logit.unflatten(-1, (self.discrete, self.stoch)), self.unimix, dim=-2)
-            return {"logit": logit.transpose(-1, -2)}
+            logit = linear(x, layer.weight[rows], layer.bias[rows]).float().unflatten(-1, (self.discrete, self.stoch))
+            if self.unimix > 0:
+                probs = distributions.unimix_probs(logit, self.unimix, dim=-2)
+                logit = torch.log(probs)
+            else:
+                logit = torch.log_softmax(logit, -2)
+                probs = logit.exp()
+            return {"logit": logit.transpose(-1, -2)}, probs
         mean, std = layer(x).float().chunk(2, -1)
         if self.mean_act == "tanh5":  # else "none", the only other choice (config.SCHEMA)
             mean = 5.0 * torch.tanh(mean / 5.0)
         std = STD_ACTS[self.std_act](std)
-        return {"mean": mean, "std": std + self.min_std}
+        return {"mean": mean, "std": std + self.min_std}, None
 
-    def _draw(self, stats, sample):
-        """The stochastic state of `stats`: a sample, or the mode. Categoricals are drawn
-        class-major (see `_stats`) and returned as (..., stoch, classes)."""
+    def _draw(self, stats, probs, sample):
+        """The stochastic state of `stats` (and, for categoricals, their class-major `probs`, see
+        `_stats`): a sample, or the mode. Categoricals are returned as (..., stoch, classes)."""
         if self.discrete:
-            dist = distributions.OneHot(stats["logit"].transpose(-1, -2), dim=-2)
+            dist = distributions.OneHot.from_probs(probs, dim=-2)
             return (dist.sample() if sample else dist.mode()).transpose(-1, -2)
         dist = self.dist(stats)
         return dist.sample() if sample else dist.mode()
@@ -753,8 +760,8 @@ class RSSM(nn.Module):
             deter = torch.zeros(batch, self.deter, device=device)
         else:
             deter = torch.tanh(self.initial_deter).expand(batch, self.deter)
-        prior = self.prior(deter)
-        stoch = self._draw(prior, sample=False)
+        prior, probs = self._prior(deter)
+        stoch = self._draw(prior, probs, sample=False)
         if self.initial_mode == "zeros":
             stoch = torch.zeros_like(stoch)
         return {"deter": deter, "stoch": stoch, **prior}
@@ -769,8 +776,8 @@ class RSSM(nn.Module):
 
     def img_step(self, state, action, sample=True):
         """Prior p(z_t | h_t) with h_t = f(h_{t-1}, z_{t-1}, a_{t-1}), and its sample z_t."""
-        prior = self.prior(self._deter(state, action))
-        return {"deter": prior["deter"], "stoch": self._draw(prior, sample), **prior}
+        prior, probs = self._prior(self._deter(state, action))
+        return {"deter": prior["deter"], "stoch": self._draw(prior, probs, sample), **prior}
 
     def _deter(self, state, action):
         """h_t = f(h_{t-1}, z_{t-1}, a_{t-1}): the recurrent step (a method of its own, not a call
@@ -788,7 +795,11 @@ class RSSM(nn.Module):
         """The prior p(z_t | h_t) at deter (..., D): {deter, and its distribution's parameters}, no
         sample. An observed sequence's priors come from it after the filter, as the official code
         computes them (rssm.loss); img_step draws from it."""
-        return {"deter": deter, **self._stats(self.img_stats, self.img_out(deter))}
+        return self._prior(deter)[0]
+
+    def _prior(self, deter):  # (the prior, its categoricals' probabilities for _draw)
+        stats, probs = self._stats(self.img_stats, self.img_out(deter))
+        return {"deter": deter, **stats}, probs
 
     def obs_step(self, state, action, embed, is_first, sample=True, init=None):
         """Posterior q(z_t | h_t, x_t); resets state and action where is_first. The prior is not
@@ -803,8 +814,8 @@ class RSSM(nn.Module):
         state = {k: v * keep.reshape(-1, *[1] * (v.dim() - 1)) + init[k] * (1 - keep).reshape(-1, *[1] * (v.dim() - 1))
                  for k, v in state.items()}
         deter = self._deter(state, action * keep)
-        stats = self._stats(self.obs_stats, self.obs_out(torch.cat([deter, embed], -1)))
-        return {"deter": deter, "stoch": self._draw(stats, sample), **stats}
+        stats, probs = self._stats(self.obs_stats, self.obs_out(torch.cat([deter, embed], -1)))
+        return {"deter": deter, "stoch": self._draw(stats, probs, sample), **stats}
 
     def observe(self, embed, action, is_first, state=None):
         """Filter a sequence: embed (B, T, E), action (B, T, A), is_first (B, T) -> the posteriors,

@@ -352,13 +352,22 @@ def test_onehot_probs_log_prob_entropy():
     np.testing.assert_array_equal(to_np(dist.mode()).argmax(-1), to_np(logits).argmax(-1))
 
 
+def onehot_of(raw, made):
+    """OneHot of logits with 1% unimix, made from the logits or (from_probs, as the RSSM draws) from
+    the mixed probabilities."""
+    if made == "logits":
+        return distributions.OneHot(raw, unimix=0.01)
+    return distributions.OneHot.from_probs(distributions.unimix_probs(raw, 0.01))
+
+
+@pytest.mark.parametrize("made", ["logits", "probs"])
 @pytest.mark.parametrize("method", ["sample", "mode"])
-def test_onehot_straight_through_gradient(method):
+def test_onehot_straight_through_gradient(method, made):
     gen = torch.Generator().manual_seed(4)
     raw = (torch.randn(8, 6, generator=gen) * 2).requires_grad_()
     weights = torch.randn(8, 6, generator=gen)
     torch.manual_seed(0)
-    out = getattr(distributions.OneHot(raw, unimix=0.01), method)()
+    out = getattr(onehot_of(raw, made), method)()
     value = to_np(out)
     # The forward value is a one-hot vector ...
     np.testing.assert_allclose(value.sum(-1), 1.0, atol=1e-6)
@@ -372,10 +381,11 @@ def test_onehot_straight_through_gradient(method):
     np.testing.assert_allclose(to_np(grad), want, rtol=1e-4, atol=1e-6)
 
 
-def test_onehot_samples_follow_the_mixed_probabilities():
+@pytest.mark.parametrize("made", ["logits", "probs"])
+def test_onehot_samples_follow_the_mixed_probabilities(made):
     logits = torch.tensor([[2.0, 0.0, -1.0, -30.0]]).expand(20000, 4)
     torch.manual_seed(1)
-    samples = to_np(distributions.OneHot(logits, unimix=0.01).sample())
+    samples = to_np(onehot_of(logits, made).sample())
     p = 0.99 * np.exp(np_log_softmax([2.0, 0.0, -1.0, -30.0])) + 0.01 / 4
     np.testing.assert_allclose(samples.mean(0), p, atol=0.015)
     assert samples[:, 3].sum() > 0  # the uniform mixture reaches even a -30 logit

@@ -120,24 +120,28 @@ def test_rssm_discrete_stats_mix_in_one_percent_uniform():
         layer.weight.copy_(torch.randn(16, 8, generator=gen(23)) * 5)  # far from uniform before the mixture
         layer.bias.copy_(torch.randn(16, generator=gen(24)))
     x = torch.randn(3, 8, generator=gen(25))
-    logit = rssm._stats(layer, x)["logit"]  # computed class-major, read (B, stoch, classes)
-    assert logit.shape == (3, 4, 4)
+    stats, class_major = rssm._stats(layer, x)
+    logit = stats["logit"]  # computed class-major, read (B, stoch, classes)
+    assert logit.shape == (3, 4, 4) and class_major.shape == (3, 4, 4)
     probs = np.exp(np_log_softmax(to_np(logit)))
     raw = (to_np(x) @ to_np(layer.weight).T + to_np(layer.bias)).reshape(3, 4, 4)
-    np.testing.assert_allclose(probs, 0.99 * np.exp(np_log_softmax(raw)) + 0.01 / 4, rtol=1e-4, atol=1e-7)
+    want = 0.99 * np.exp(np_log_softmax(raw)) + 0.01 / 4
+    np.testing.assert_allclose(probs, want, rtol=1e-4, atol=1e-7)
+    # The probabilities the latents are drawn from: the same, class-major (B, classes, stoch).
+    np.testing.assert_allclose(to_np(class_major).transpose(0, 2, 1), want, rtol=1e-5, atol=1e-7)
 
 
 def test_rssm_draws_its_class_major_latents_as_the_class_last_distribution():
     """The RSSM computes and samples its categoricals class-major; its state reads (B, stoch,
     classes) and equals what OneHot of the state's logits gives from the same seed."""
     rssm = make_rssm()
-    stats = rssm._stats(rssm.img_stats, torch.randn(6, rssm.img_stats.in_features, generator=gen(7)) * 3)
+    stats, probs = rssm._stats(rssm.img_stats, torch.randn(6, rssm.img_stats.in_features, generator=gen(7)) * 3)
     assert stats["logit"].shape == (6, 4, 4)
     torch.manual_seed(3)
     want = rssm.dist(stats).sample()
     torch.manual_seed(3)
-    assert torch.equal(rssm._draw(stats, sample=True), want)
-    assert torch.equal(rssm._draw(stats, sample=False), rssm.dist(stats).mode())
+    assert torch.equal(rssm._draw(stats, probs, sample=True), want)
+    assert torch.equal(rssm._draw(stats, probs, sample=False), rssm.dist(stats).mode())
     assert 1 < len(set(want.argmax(-1).flatten().tolist()))  # the samples differ between categoricals
 
 
@@ -173,7 +177,8 @@ def test_rssm_continuous_stats_formulas(std_act, mean_act):
     with torch.no_grad():
         identity.weight.copy_(torch.eye(10))
         identity.bias.zero_()
-    stats = rssm._stats(identity, x)
+    stats, probs = rssm._stats(identity, x)
+    assert probs is None
     raw_mean, raw_std = to_np(x)[:, :5], to_np(x)[:, 5:]
     want_mean = raw_mean if mean_act == "none" else 5.0 * np.tanh(raw_mean / 5.0)
     np.testing.assert_allclose(to_np(stats["mean"]), want_mean, rtol=1e-5, atol=1e-6)
