@@ -10,6 +10,7 @@ import torch
 
 import launch
 import models
+import networks
 import tools
 
 # ==================================================================================================
@@ -136,6 +137,7 @@ def compile_steps(agent, bodies):
     # (past which the rest would silently run eagerly).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
+    networks.lower_onednn_linear()
     rssm = agent.wm.rssm
     rssm.img_step = Compiled(rssm.img_step, "rssm.img_step")
     rssm.obs_step = Compiled(rssm.obs_step, "rssm.obs_step")
@@ -172,6 +174,7 @@ def compile_update(agent, bodies=None):
     # training and evaluation environments, with and without gradients) stay within the limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # past it: a CompileError, never eager
+    networks.lower_onednn_linear()
     regions = []
     for owner, method in agent.regions():
         name = f"{type(owner).__name__}.{method}"

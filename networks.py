@@ -153,6 +153,21 @@ def _onednn_linear_backward(ctx, grad):  # the gradients of x @ weight.T + bias,
 onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_linear_context)
 
 
+def lower_onednn_linear():
+    """Have Inductor's compiled code call oneDNN's matmul itself where a graph calls onednn_linear.
+    As the custom operator, each call passed through two Python functions (its autograd and its
+    CPU kernel) on the way, about 14 µs each of ~200 calls per update at size1m (benchmarks/README,
+    round 28); the backward pass is traced into torch's products either way. Idempotent."""
+    from torch._inductor import lowering
+
+    op = torch.ops.dreamer.onednn_linear.default
+    if not ONEDNN or op in lowering.lowerings:
+        return
+    matmul = lowering.fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
+    lowering.register_lowering(op, type_promotion_kind=None)(
+        lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
+
+
 def linear(x, weight, bias=None):
     """nn.functional.linear, its product in oneDNN for float32 CPU inputs of ONEDNN_MIN_ROWS rows
     or more (not inside torch.func.vmap, for which the operator has no rule)."""

@@ -540,6 +540,34 @@ def test_linear_is_the_affine_map_with_its_gradients_and_many_rows_go_to_onednn(
     assert len(calls) == (2 if rows >= networks.ONEDNN_MIN_ROWS and networks.ONEDNN else 0)
 
 
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
+def test_compiled_code_calls_onednns_matmul_itself_not_the_python_operator(cpp_wrapper):
+    """With networks.lower_onednn_linear (which compile True and 'update' call), Inductor's code for a Linear of
+    many rows calls oneDNN's matmul directly, not the custom operator's Python kernels, under either of its
+    wrappers; the layer and its gradients equal the eager ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    networks.lower_onednn_linear()
+    networks.lower_onednn_linear()  # idempotent
+    layer = networks.Linear(48, 24)
+    x = torch.randn(1536, 48, generator=gen(22), requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.nn.functional.silu(layer(x)), fullgraph=True,
+                             options={"cpp_wrapper": cpp_wrapper})
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        got, code = run_and_get_code(compiled, x)  # generated now: a cached graph may predate the lowering
+    code = "\n".join(code)
+    if networks.ONEDNN:
+        assert "_linear_pointwise" in code
+        assert "ops.dreamer.onednn_linear.default(" not in code and "dreamer::onednn_linear" not in code
+    want = torch.nn.functional.silu(layer(x))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    upstream = torch.randn(1536, 24, generator=gen(23))
+    for a, b in zip(torch.autograd.grad(got, [x, layer.weight, layer.bias], upstream),
+                    torch.autograd.grad(want, [x, layer.weight, layer.bias], upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_linear_under_vmap_uses_torch_product():
     """Inside seeds.vmapped (the batched seeds' update) the oneDNN operator, which has no vmap rule, is not called:
     the vmapped layer equals the layer applied to each member."""
