@@ -80,13 +80,14 @@ class Region:
         return outlive(result, self.cuda_graphs) if self.step else result
 
 
-# The regions whose every operation is a step's few rows (the filter's chunks: batch_size rows per
-# step), whose kernels take microseconds, so that calling each from Python costs about as much as
-# running it: off CUDA they are compiled with Inductor's C++ wrapper, which calls them from C++
-# (on CUDA a CUDA graph replays them). The filter alone went from 65.6 to 57.5 ms per update at
-# recipe2024 size1m (benchmarks/README, round 27). The other regions, of 1,024 rows and more per
-# operation, keep the Python wrapper.
-CPP_WRAPPED = ("RSSM.observe_chunk",)
+# The regions of recurrent steps, each a long run of small kernels: the filter's chunks (batch_size
+# rows per step, kernels of microseconds, about what calling each from Python costs) and the
+# imagination's (about a hundred kernels per chunk, whose Python wrapper took 2.9 ms per call at
+# recipe2024 size1m). Off CUDA they are compiled with Inductor's C++ wrapper, which calls their
+# kernels from C++ (on CUDA a CUDA graph replays them): the filter alone went from 65.6 to 57.5 ms
+# per update (benchmarks/README, rounds 27 and 28). The other regions, a few large kernels each,
+# keep the Python wrapper: under the C++ wrapper a whole update compiled for over 12 minutes (round 24).
+CPP_WRAPPED = ("RSSM.observe_chunk", "ActorCritic.imagine_steps")
 
 
 def compile_settings(cuda_graphs, name):

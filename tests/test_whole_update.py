@@ -333,8 +333,8 @@ def test_a_region_that_is_not_one_graph_is_an_error_naming_it():
 
 @pytest.mark.parametrize("name", ["Example.sample", "RSSM.observe_chunk"])  # Python and C++ wrappers
 def test_a_cpu_region_draws_the_random_numbers_an_eager_run_draws(name):
-    """Inductor itself, with its own generator switched on (this module's fixture switches it
-    off for every compile): a region off CUDA still draws the samples' noise by torch.rand and
+    """Inductor itself with its own generator, the global switch back off (this module's fixture
+    turns fallback_random on for every compile): a region off CUDA still draws the samples' noise by torch.rand and
     normal_, from the generator an eager run draws from, in the same order, also the filter's
     chunk, which Inductor's C++ wrapper calls (compilation.CPP_WRAPPED)."""
     def noisy(x):
@@ -351,15 +351,16 @@ def test_a_cpu_region_draws_the_random_numbers_an_eager_run_draws(name):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_only_the_filters_chunks_are_compiled_with_inductors_cpp_wrapper_and_only_off_cuda(monkeypatch):
-    """The regions of a step's few rows (the filter's chunks) call their kernels from C++ on the
-    CPU; every other region keeps the Python wrapper; on CUDA every region is a CUDA graph."""
+def test_only_the_recurrent_chunks_are_compiled_with_inductors_cpp_wrapper_and_only_off_cuda(monkeypatch):
+    """The regions of recurrent steps (the filter's and the imagination's chunks) call their kernels
+    from C++ on the CPU; every other region keeps the Python wrapper; on CUDA every region is a CUDA
+    graph."""
     calls = []  # not the `backend` fixture's own compile of each region, where a test before set it up
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: "backend" in kwargs or calls.append(kwargs) or fn)
     names = ["RSSM.observe_chunk", "ActorCritic.imagine_steps", "WorldModel.loss_terms", "Dreamer.act"]
     for name in names:
         compilation.Region(lambda x: x, name, cuda_graphs=False)
-    assert [kwargs["options"]["cpp_wrapper"] for kwargs in calls] == [True, False, False, False]
+    assert [kwargs["options"]["cpp_wrapper"] for kwargs in calls] == [True, True, False, False]
     assert all(kwargs["options"]["fallback_random"] and "mode" not in kwargs for kwargs in calls)
     calls.clear()
     for name in names:
