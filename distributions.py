@@ -274,8 +274,7 @@ def unimix_logits(logits, unimix, dim=-1):
 
 def unimix_probs(logits, unimix, dim=-1):
     """The softmax over `dim` with `unimix` of the uniform distribution mixed in."""
-    probs = torch.softmax(logits, dim)
-    return probs if unimix <= 0 else (1 - unimix) * probs + unimix / logits.shape[dim]
+    return (1 - unimix) * torch.softmax(logits, dim) + unimix / logits.shape[dim]
 
 
 class OneHot:
