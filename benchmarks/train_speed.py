@@ -6,9 +6,12 @@ environment with random actions, then times `--updates` updates after `--warmup`
     python3 benchmarks/train_speed.py --configs dmc_proprio --task dmc_walker_walk --device cpu --updates 10
 
 Takes dreamer.py's --configs presets and --key value overrides, plus --updates, --warmup,
---threads, --profile (phase split, top operators and operator calls per update) and
---no_malloc_tuning (leave glibc's allocator as it is, to measure what launch.keep_freed_memory
-buys). The last line printed is `updates_per_s=<number>`.
+--threads, --profile (phase split, top operators and operator calls per update),
+--kernel_profile (compile with Inductor's kernel profiling, which names every compiled kernel in
+the profile, so that --profile and --compare count compiled kernel calls; it lengthens the C++
+compilation, by 25-50 s of a 260-300 s warm-up at recipe2024 size1m, so a warm-up timed with it is
+not a user's) and --no_malloc_tuning (leave glibc's allocator as it is, to measure what
+launch.keep_freed_memory buys). The last line printed is `updates_per_s=<number>`.
 
 --compare times several settings side by side in one process, interleaved over --rounds rounds
 of --updates updates each (so that a shared machine's load affects all alike): every --compile
@@ -16,7 +19,8 @@ value of --compile_modes (False: eager, True: per-step compile, update: the whol
 --precisions. It prints one table row per setting: warm-up seconds (the first --warmup updates,
 compilation included), seconds per update (median over the rounds), speed relative to the first
 setting, operator calls in one profiled update: aten operators (leaf calls, those that call no
-other aten operator: about one kernel launch each on a GPU) and compiled (fused) kernels, and the
+other aten operator: about one kernel launch each on a GPU) and compiled (fused) kernels (counted
+with --kernel_profile; without it a compiled setting's count reads "not counted"), and the
 warm-up's CPU seconds (this process and the compiler processes it ran; on a loaded machine the
 work the warm-up took).
 
@@ -113,15 +117,15 @@ def top_operators(profiler, count=6):
 
 def usage():
     return ("usage: python3 benchmarks/train_speed.py [--configs PRESET ...] [--KEY VALUE ...] [--updates N] "
-            "[--warmup N] [--threads N] [--profile] [--no_malloc_tuning] [--compare [--compile_modes M,...] "
-            "[--precisions P,...] [--rounds N]] [--seeds N [--rounds N]]\n\n" + __doc__.strip()
-            + "\n\nConfig keys and presets: python3 dreamer.py --help")
+            "[--warmup N] [--threads N] [--profile] [--kernel_profile] [--no_malloc_tuning] "
+            "[--compare [--compile_modes M,...] [--precisions P,...] [--rounds N]] [--seeds N [--rounds N]]\n\n"
+            + __doc__.strip() + "\n\nConfig keys and presets: python3 dreamer.py --help")
 
 
 def leaf_operator_calls(profiler):
     """(aten operator calls that call no other aten operator, compiled kernel calls) in the
     profiled events. The compiled kernels are visible only with inductor's kernel profiling on
-    (set by --compare before anything compiles)."""
+    (--kernel_profile, set before anything compiles)."""
     aten = kernels = 0
     for event in profiler.events():
         if event.name.startswith("aten::"):
@@ -156,7 +160,6 @@ def compare(args, config, env, replay, length):
     """Every setting of --compile_modes x --precisions on one replay, interleaved; one table."""
     import statistics
 
-    torch._inductor.config.cpp.enable_kernel_profile = True  # fused kernels show up in the profile
     sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else lambda: None
     settings = [(cfg.parse(["--compile", mode]).compile, cfg.parse(["--precision", precision]).precision)
                 for mode in args.compile_modes.split(",") for precision in args.precisions.split(",")]
@@ -189,7 +192,10 @@ def compare(args, config, env, replay, length):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             agents[setting].update.train_step(replay.sample(config.batch_size, length))
             sync()
-        calls[setting] = leaf_operator_calls(profiler)
+        aten, kernels = leaf_operator_calls(profiler)
+        # An eager update (compile False, or auto settled so) runs no compiled kernel.
+        counted = args.kernel_profile or agents[setting].config.compile is False
+        calls[setting] = (f"{aten:,}", f"{kernels:,}" if counted else "not counted")
     print(f"task {config.task}  device {config.device}  threads {torch.get_num_threads()}  "
           f"batch {config.batch_size}x{config.batch_length}  torch {torch.__version__}  "
           f"{args.rounds} rounds x {args.updates} updates after {args.warmup} warm-up updates")
@@ -201,7 +207,7 @@ def compare(args, config, env, replay, length):
         median = statistics.median(times[setting])
         print(f"| {setting[0]} | {setting[1]} | {warmups[setting]:.2f} | {median:.3f} "
               f"({min(times[setting]):.3f}-{max(times[setting]):.3f}) | {first / median:.2f}x "
-              f"| {calls[setting][0]:,} | {calls[setting][1]:,} | {warmup_cpu[setting]:.1f} |")
+              f"| {calls[setting][0]} | {calls[setting][1]} | {warmup_cpu[setting]:.1f} |")
     print(f"updates_per_s={1 / statistics.median(times[settings[-1]]):.4f}")
 
 
@@ -271,6 +277,8 @@ def main(argv=None):
     parser.add_argument("--no_malloc_tuning", action="store_true",
                         help="leave glibc's allocator as it is (dreamer.py tunes it), to measure what the tuning buys")
     parser.add_argument("--profile", action="store_true", help="split the time into phases (adds overhead)")
+    parser.add_argument("--kernel_profile", action="store_true",
+                        help="compile with Inductor's kernel profiling, to count compiled kernels (a longer warm-up)")
     parser.add_argument("--compare", action="store_true", help="time --compile_modes x --precisions side by side")
     parser.add_argument("--compile_modes", default="False,True")
     parser.add_argument("--precisions", default="32,bf16")
@@ -286,6 +294,8 @@ def main(argv=None):
             cfg.parse([*rest, "--compile", mode])
     except tools.ConfigError as e:
         cfg.fail(str(e))
+    # Set before anything compiles: it changes the generated code.
+    torch._inductor.config.cpp.enable_kernel_profile = args.kernel_profile
     env, replay, length = prepare(config, args.threads, malloc_tuning=not args.no_malloc_tuning)
     if args.compare:
         compare(args, config, env, replay, length)
@@ -330,8 +340,10 @@ def main(argv=None):
         print("phase split (s/update, profiled): " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
         print("top operators (share of self time): " + top_operators(profiler))
         aten, kernels = leaf_operator_calls(profiler)
+        counted = args.kernel_profile or agent.config.compile is False
         print(f"operator calls per update: {aten / profiled:.0f} aten (leaf), "
-              f"{kernels / profiled:.0f} compiled kernels")
+              + (f"{kernels / profiled:.0f} compiled kernels" if counted else "compiled kernels not counted "
+                 "(--kernel_profile counts them)"))
     print(f"updates_per_s={1 / seconds:.4f}")
     env.close()
 

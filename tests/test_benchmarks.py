@@ -53,6 +53,39 @@ def test_train_speed_compare_prints_one_row_per_setting_with_operator_calls():
     assert out.stderr.count("round: ") == 2
 
 
+def test_train_speed_compiles_with_kernel_profiling_only_when_asked(monkeypatch):
+    """Inductor's kernel profiling lengthens the C++ compilation (a warm-up no user has): --compare
+    and a plain run compile without it unless --kernel_profile asks, and it is set before the replay
+    and the agents are made (prepare and compare stubbed: what they would see is recorded)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_train_speed", ROOT / "benchmarks" / "train_speed.py")
+    train_speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_speed)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def prepare(config, threads, malloc_tuning):
+        seen.append(torch._inductor.config.cpp.enable_kernel_profile)
+        raise Stop
+
+    monkeypatch.setattr(train_speed, "prepare", prepare)
+    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", False)
+    for flags, expected in ((["--compare"], False), (["--compare", "--kernel_profile"], True), ([], False),
+                            (["--profile", "--kernel_profile"], True)):
+        torch._inductor.config.cpp.enable_kernel_profile = not expected
+        try:
+            train_speed.main(["--configs", "debug", *flags])
+        except Stop:
+            pass
+        assert seen[-1] is expected, flags
+    assert len(seen) == 4
+
+
 def test_train_speed_rejects_a_bad_key_with_one_line():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--configs", "debug",
                           "--bach_size", "4"], capture_output=True, text=True, timeout=120)
