@@ -157,15 +157,21 @@ def lower_onednn_linear():
     """Have Inductor's compiled code call oneDNN's matmul itself where a graph calls onednn_linear.
     As the custom operator, each call passed through two Python functions (its autograd and its
     CPU kernel) on the way, about 14 µs each of ~200 calls per update at size1m (benchmarks/README,
-    round 28); the backward pass is traced into torch's products either way. Idempotent."""
+    round 28); the backward pass is traced into torch's products either way. Idempotent; it
+    replaces the plain fallback that Inductor registers for the operator where a graph that calls
+    it compiled before."""
     from torch._inductor import lowering
 
     op = torch.ops.dreamer.onednn_linear.default
-    if not ONEDNN or op in lowering.lowerings:
+    if not ONEDNN or getattr(lowering.lowerings.get(op), "calls_onednn", False):
         return
     matmul = lowering.fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
-    lowering.register_lowering(op, type_promotion_kind=None)(
-        lambda x, weight, bias: matmul(x, weight, bias, "none", [], ""))
+
+    def lowered(x, weight, bias):
+        return matmul(x, weight, bias, "none", [], "")
+
+    lowered.calls_onednn = True  # register_lowering's wrapper keeps the attribute (functools.wraps)
+    lowering.register_lowering(op, type_promotion_kind=None)(lowered)
 
 
 def linear(x, weight, bias=None):

@@ -541,21 +541,29 @@ def test_linear_is_the_affine_map_with_its_gradients_and_many_rows_go_to_onednn(
 
 
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
-def test_compiled_code_calls_onednns_matmul_itself_not_the_python_operator(cpp_wrapper):
+def test_compiled_code_calls_onednns_matmul_itself_not_the_python_operator(cpp_wrapper, monkeypatch):
     """With networks.lower_onednn_linear (which compile True and 'update' call), Inductor's code for a Linear of
     many rows calls oneDNN's matmul directly, not the custom operator's Python kernels, under either of its
-    wrappers; the layer and its gradients equal the eager ones."""
+    wrappers, also where a graph calling the operator compiled before (and Inductor registered its plain
+    fallback for it); the layer and its gradients equal the eager ones."""
+    from torch._inductor import lowering
     from torch._inductor.utils import run_and_get_code
 
-    networks.lower_onednn_linear()
-    networks.lower_onednn_linear()  # idempotent
+    monkeypatch.delitem(lowering.lowerings, torch.ops.dreamer.onednn_linear.default, raising=False)
     layer = networks.Linear(48, 24)
     x = torch.randn(1536, 48, generator=gen(22), requires_grad=True)
+    uncached = (torch._inductor.config.patch(fx_graph_cache=False),
+                torch._functorch.config.patch(enable_autograd_cache=False))  # graphs generated now, not loaded
+    torch._dynamo.reset()
+    with uncached[0], uncached[1]:
+        torch.compile(layer, fullgraph=True)(x)  # before the lowering: Inductor's plain fallback
+    networks.lower_onednn_linear()
+    networks.lower_onednn_linear()  # idempotent
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: torch.nn.functional.silu(layer(x)), fullgraph=True,
                              options={"cpp_wrapper": cpp_wrapper})
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        got, code = run_and_get_code(compiled, x)  # generated now: a cached graph may predate the lowering
+    with uncached[0], uncached[1]:
+        got, code = run_and_get_code(compiled, x)
     code = "\n".join(code)
     if networks.ONEDNN:
         assert "_linear_pointwise" in code
