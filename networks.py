@@ -843,7 +843,12 @@ class RSSM(nn.Module):
         a dict of (B, T, ...). The steps run in chunks of chunk_length(T) (observe_chunk), which
         compile 'update' compiles as one graph called T / chunk times."""
         init = self.initial(embed.shape[0])
-        state = dict(init if state is None else state)  # a copy: a compiled obs_step guards on aliasing
+        state = self.carried(init if state is None else state)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            # The later chunks start from states with a gradient (from the weights); so does the first,
+            # not to be a graph of its own (the replay context's latents and a zero initial state have
+            # none; the one they get here is unused).
+            state = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in state.items()}
         size, posts = chunk_length(embed.shape[1]), []
         for t in range(0, embed.shape[1], size):
             state, post = self.observe_chunk(state, action[:, t:t + size], embed[:, t:t + size],
@@ -853,12 +858,25 @@ class RSSM(nn.Module):
 
     def observe_chunk(self, state, action, embed, is_first, init):
         """obs_step over the K steps of action (B, K, A), embed (B, K, E) and is_first (B, K) from
-        `state`, resetting to `init`: the last posterior and the posteriors (B, K, ...)."""
+        `state`, resetting to `init`: the last posterior's carried part and the posteriors (B, K, ...)."""
         posts = []
         for t in range(embed.shape[1]):
-            state = self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init)
-            posts.append(state)
-        return state, stack_steps(posts, 1)
+            posts.append(self.obs_step(state, action[:, t], embed[:, t], is_first[:, t], init=init))
+            state = {k: posts[-1][k] for k in self.CARRIED}
+        return self.carried(state), stack_steps(posts, 1)
+
+    # What the next step reads of a state (obs_step, img_step).
+    CARRIED = ("deter", "stoch")
+
+    @classmethod
+    def carried(cls, state):
+        """The CARRIED part of a state, contiguous: what observe carries from chunk to chunk. Every
+        chunk then starts from tensors of the same keys and strides, the first (from the initial
+        state, with its logits, or the replay context's latents, rows of a wider buffer) as the later
+        ones (from a chunk's posterior, whose stoch is a class-major view); else compile 'update'
+        compiles observe_chunk's forward and backward graphs again for the first (over a minute of
+        the warm-up at recipe2024 size1m on a CPU)."""
+        return {k: state[k].contiguous() for k in cls.CARRIED}
 
     def imagine_with_action(self, action, state):
         """Open-loop prediction: action (B, T, A) from state (B, ...) -> priors (B, T, ...)."""

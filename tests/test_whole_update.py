@@ -32,6 +32,7 @@ import dreamer
 import envs
 import launch
 import models
+import networks
 import optim
 import storage
 import tools
@@ -245,6 +246,40 @@ def test_every_chunk_of_a_reinforce_imagination_runs_one_compiled_graph(backend)
     agent.task_behavior.imagine_steps = lambda *args: calls.append(1) or original(*args)
     run_updates(agent, batches(env, config, 2))
     assert len(calls) == 2 * 2  # two chunks per update
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) - before == 1
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo caches a graph per optimizer (it guards on the optimizer's identity) under torch.optim's
+    one code object: the agents a test makes beside the module's would bring the later tests to its
+    recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("preset", ["recipe2024", "v1"])
+def test_every_chunk_of_the_observe_runs_one_compiled_graph(backend, preset):
+    """batch_length 12 runs in two chunks of 6. recipe2024's first chunk starts from the replay
+    context's latents (deter and stoch, no gradient), v1's from the initial state (with its logits),
+    and every later chunk from the last one's posterior (with a gradient); each key set and each
+    requires_grad was a graph of its own (Inductor: over a minute more of warm-up at recipe2024
+    size1m on a CPU). Only deter and stoch are carried, and the first start needs a gradient too."""
+    flags = ("--configs", "recipe2024", "debug") if preset == "recipe2024" else ()
+    config = cfg.parse([*SHORT, *flags, "--batch_length", "12", "--compile", "update"])
+    assert (config.replay_context > 0) == (preset == "recipe2024")
+    env = envs.make_env(config, "train", 0)
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(DEVICE)
+    code = networks.RSSM.observe_chunk.__code__
+    before = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    keys = []
+    original = agent.wm.rssm.observe_chunk
+    agent.wm.rssm.observe_chunk = lambda state, *args: keys.append(sorted(state)) or original(state, *args)
+    run_updates(agent, batches(env, config, 2))
+    assert keys == [["deter", "stoch"]] * (2 * 2)  # two chunks per update
     assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) - before == 1
 
 
