@@ -74,15 +74,20 @@ def test_train_speed_compiles_with_kernel_profiling_only_when_asked(monkeypatch)
         raise Stop
 
     monkeypatch.setattr(train_speed, "prepare", prepare)
-    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", False)
-    for flags, expected in ((["--compare"], False), (["--compare", "--kernel_profile"], True), ([], False),
-                            (["--profile", "--kernel_profile"], True)):
-        torch._inductor.config.cpp.enable_kernel_profile = not expected
-        try:
-            train_speed.main(["--configs", "debug", *flags])
-        except Stop:
-            pass
-        assert seen[-1] is expected, flags
+    # Restored by hand: monkeypatch would undo it by deleting the key from Inductor's config (a proxy object),
+    # and every later compile in this process would then fail.
+    saved = torch._inductor.config.cpp.enable_kernel_profile
+    try:
+        for flags, expected in ((["--compare"], False), (["--compare", "--kernel_profile"], True), ([], False),
+                                (["--profile", "--kernel_profile"], True)):
+            torch._inductor.config.cpp.enable_kernel_profile = not expected
+            try:
+                train_speed.main(["--configs", "debug", *flags])
+            except Stop:
+                pass
+            assert seen[-1] is expected, flags
+    finally:
+        torch._inductor.config.cpp.enable_kernel_profile = saved
     assert len(seen) == 4
 
 
