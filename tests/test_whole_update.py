@@ -228,6 +228,16 @@ def optimizers(agent):
     return list(agent.optimizers().values())
 
 
+def agent_and_graph_count(config, function):
+    """An agent for config, and a count of the graphs dynamo compiles for function from now on."""
+    env = envs.make_env(config, "train", 0)
+    torch.manual_seed(0)
+    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(DEVICE)
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
+    before = len(entries(function.__code__))
+    return env, agent, lambda: len(entries(function.__code__)) - before
+
+
 def test_every_chunk_of_a_reinforce_imagination_runs_one_compiled_graph(backend):
     """imag_horizon 10 runs in two chunks of 5. The second starts from the first's last state,
     which must have the strides of the replayed start states; else dynamo compiles the chunk a
@@ -236,17 +246,13 @@ def test_every_chunk_of_a_reinforce_imagination_runs_one_compiled_graph(backend)
     dynamics gradient the second chunk is a graph of its own by right: its start carries one.)"""
     config = cfg.parse([*SHORT, "--configs", "recipe2024", "debug", "--imag_horizon", "10", "--compile", "update"])
     assert config.imag_gradient == "reinforce"
-    env = envs.make_env(config, "train", 0)
-    torch.manual_seed(0)
-    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(DEVICE)
-    code = models.ActorCritic.imagine_steps.__code__
-    before = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    env, agent, graphs = agent_and_graph_count(config, models.ActorCritic.imagine_steps)
     calls = []
     original = agent.task_behavior.imagine_steps
     agent.task_behavior.imagine_steps = lambda *args: calls.append(1) or original(*args)
     run_updates(agent, batches(env, config, 2))
     assert len(calls) == 2 * 2  # two chunks per update
-    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) - before == 1
+    assert graphs() == 1
 
 
 @pytest.fixture
@@ -270,17 +276,13 @@ def test_every_chunk_of_the_observe_runs_one_compiled_graph(backend, preset):
     flags = ("--configs", "recipe2024", "debug") if preset == "recipe2024" else ()
     config = cfg.parse([*SHORT, *flags, "--batch_length", "12", "--compile", "update"])
     assert (config.replay_context > 0) == (preset == "recipe2024")
-    env = envs.make_env(config, "train", 0)
-    torch.manual_seed(0)
-    agent = dreamer.Dreamer(env.obs_space, env.act_space, config).to(DEVICE)
-    code = networks.RSSM.observe_chunk.__code__
-    before = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    env, agent, graphs = agent_and_graph_count(config, networks.RSSM.observe_chunk)
     keys = []
     original = agent.wm.rssm.observe_chunk
     agent.wm.rssm.observe_chunk = lambda state, *args: keys.append(sorted(state)) or original(state, *args)
     run_updates(agent, batches(env, config, 2))
     assert keys == [["deter", "stoch"]] * (2 * 2)  # two chunks per update
-    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) - before == 1
+    assert graphs() == 1
 
 
 def test_the_compiled_policy_acts_as_the_eager_one(compared):
